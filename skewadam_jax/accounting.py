@@ -1,0 +1,98 @@
+"""Exact optimizer-state bytes, by tier, from live or abstract states.
+
+Every function here reads only ``shape`` and ``dtype``, so it works the same on
+a live state and on the ``jax.ShapeDtypeStruct`` tree that ``jax.eval_shape``
+returns. That sizes a 100B-parameter model's state without allocating it::
+
+    abstract = jax.eval_shape(tx.init, abstract_params)
+    state_bytes_by_tier(abstract)
+
+Tiers: inside a :class:`~skewadam_jax.ScaleBySkewAdamState` the state says
+which tier holds each array. Elsewhere (optax's own states, or the parts of a
+chain around SkewAdam) a leaf is attributed by matching the default tier
+patterns against its path, which ends with the parameter's path (for example
+``0/mu/layers/moe/experts/w_up``). Scalars (step counts, injected
+hyperparameters) are counted as ``"other"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from skewadam_jax import labels as labels_lib
+from skewadam_jax import transform
+
+OTHER = "other"
+
+
+def leaf_bytes(x) -> int:
+  """Bytes of one array-like leaf (0 for leaves with no shape and dtype)."""
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  if shape is None or dtype is None:
+    return 0
+  return math.prod(shape) * jax.numpy.dtype(dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+  """Total bytes of the arrays (or ``ShapeDtypeStruct``s) in ``tree``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> tree_bytes({"w": jax.ShapeDtypeStruct((1000, 1000), jnp.bfloat16)})
+    2000000
+  """
+  return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def state_bytes_by_tier(state, *, router=labels_lib.DEFAULT_ROUTER_PATTERNS,
+                        expert=labels_lib.DEFAULT_EXPERT_PATTERNS) -> dict[str, int]:
+  """Optimizer-state bytes split by tier, for any optax state.
+
+  Args:
+    state: a live or abstract (``jax.eval_shape``) optimizer state: SkewAdam's,
+      any optax optimizer's, or a chain / wrapper containing them.
+    router: patterns attributing non-SkewAdam leaves to the router tier.
+    expert: patterns attributing non-SkewAdam leaves to the expert tier.
+
+  Returns:
+    ``{"backbone", "expert", "router", "other", "total"}`` in bytes; the first
+    four sum to ``"total"``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> params = {"embed": jax.ShapeDtypeStruct((100, 8), jnp.float32),
+    ...           "moe": {"experts": jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)}}
+    >>> state = jax.eval_shape(optax.adam(1e-3).init, params)
+    >>> state_bytes_by_tier(state)["expert"]  # fp32 m and v: 8 B/param
+    4096
+  """
+  is_skew = lambda x: isinstance(x, transform.ScaleBySkewAdamState)
+  totals = {t: 0 for t in labels_lib.TIERS + (OTHER,)}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_skew)[0]:
+    if is_skew(leaf):
+      totals[OTHER] += leaf_bytes(leaf.count)
+      for tier in labels_lib.TIERS:
+        totals[tier] += tree_bytes(getattr(leaf, tier))
+      continue
+    nbytes = leaf_bytes(leaf)
+    if math.prod(getattr(leaf, "shape", ())) <= 1:
+      totals[OTHER] += nbytes
+    else:
+      tier = labels_lib.label_path(labels_lib.path_to_str(path), router=router,
+                                   expert=expert)
+      totals[tier] += nbytes
+  totals["total"] = sum(totals.values())
+  return totals
+
+
+def abstract_state_bytes_by_tier(tx, params, **patterns) -> dict[str, int]:
+  """:func:`state_bytes_by_tier` of ``tx.init(params)`` without allocating.
+
+  Args:
+    tx: any optax ``GradientTransformation``.
+    params: parameters or a matching tree of ``jax.ShapeDtypeStruct``.
+    **patterns: ``router`` / ``expert`` patterns for non-SkewAdam states.
+  """
+  return state_bytes_by_tier(jax.eval_shape(tx.init, params), **patterns)

@@ -1,0 +1,42 @@
+"""Shared fixtures: a small MoE-shaped parameter tree and its gradients."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+# Backbone, router and expert leaves, with 3-D and 4-D ([L, E, d_in, d_out]) banks.
+SHAPES = {
+    "embed": (16, 8),
+    "final_norm": (8,),
+    "layers": {
+        "attn": {"qkv": (2, 8, 24)},
+        "norm": (2, 8),
+        "moe": {
+            "router": {"kernel": (2, 8, 4)},
+            "experts": {"w_up": (2, 4, 8, 6), "w_down": (2, 4, 6, 8)},
+        },
+    },
+    "shared_bank": {"experts": (4, 8, 6)},
+}
+
+
+def _is_shape(x):
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def make_tree(seed, dtype=jnp.float32, scale=1.0):
+  leaves, treedef = jax.tree.flatten(SHAPES, is_leaf=_is_shape)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [
+      (scale * jax.random.normal(k, s)).astype(dtype) for k, s in zip(keys, leaves)])
+
+
+@pytest.fixture(scope="session")
+def params():
+  return make_tree(0)
+
+
+@pytest.fixture(scope="session")
+def grad_seq():
+  """25 steps of gradients with different scales per step."""
+  return [make_tree(100 + i, scale=0.1 * (1 + i % 3)) for i in range(25)]

@@ -1,0 +1,109 @@
+"""Round-trip bounds, shapes and dtypes of the momentum encodings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from skewadam_jax import encodings
+from skewadam_jax import factored
+
+SHAPE = (2, 3, 16, 40)  # [L, E, R, C]; C=40 is not a multiple of 8 or of the block
+
+
+@pytest.fixture(scope="module")
+def momentum():
+  return jax.random.normal(jax.random.PRNGKey(0), SHAPE) * jnp.logspace(-6, 1, SHAPE[-1])
+
+
+def roundtrip(name, m, **kw):
+  enc = encodings.get_encoding(name, **kw)
+  return enc.decode(jax.jit(enc.encode)(m))
+
+
+def test_fp32_is_exact(momentum):
+  np.testing.assert_array_equal(roundtrip("fp32", momentum), momentum)
+
+
+def test_bf16_relative_error_within_2_pow_minus_8(momentum):
+  err = jnp.abs(roundtrip("bf16", momentum) - momentum)
+  assert bool(jnp.all(err <= 2.0**-8 * jnp.abs(momentum)))
+
+
+@pytest.mark.parametrize("block_size", [8, 256])
+def test_int8_error_within_half_step_of_block_absmax(momentum, block_size):
+  decoded = roundtrip("int8", momentum, block_size=block_size)
+  # Independent per-block absmax, computed with numpy on the padded last axis.
+  m = np.asarray(momentum)
+  nblocks = -(-m.shape[-1] // block_size)
+  padded = np.zeros(m.shape[:-1] + (nblocks * block_size,), np.float32)
+  padded[..., :m.shape[-1]] = m
+  absmax = np.abs(padded.reshape(m.shape[:-1] + (nblocks, block_size))).max(-1)
+  bound = np.repeat(absmax, block_size, axis=-1)[..., :m.shape[-1]] / 254
+  assert np.all(np.abs(np.asarray(decoded) - m) <= bound * (1 + 1e-6))
+
+
+def test_sign_keeps_signs_and_row_col_means(momentum):
+  decoded = roundtrip("sign", momentum)
+  np.testing.assert_array_equal(jnp.sign(decoded), jnp.sign(momentum))
+  np.testing.assert_allclose(jnp.abs(decoded).mean(-1), jnp.abs(momentum).mean(-1), rtol=1e-5)
+  np.testing.assert_allclose(jnp.abs(decoded).mean(-2), jnp.abs(momentum).mean(-2), rtol=1e-5)
+
+
+def test_sign_is_exact_for_rank_one_magnitude():
+  key1, key2, key3 = jax.random.split(jax.random.PRNGKey(1), 3)
+  rows = jax.random.uniform(key1, (3, 5, 1), minval=0.1, maxval=2.0)
+  cols = jax.random.uniform(key2, (3, 1, 9), minval=0.1, maxval=2.0)
+  signs = jnp.where(jax.random.bernoulli(key3, 0.5, (3, 5, 9)), 1.0, -1.0)
+  m = signs * rows * cols
+  np.testing.assert_allclose(roundtrip("sign", m), m, rtol=1e-5)
+
+
+def test_zero_momentum_decodes_to_zero():
+  for name in ("fp32", "bf16", "int8", "sign"):
+    enc = encodings.get_encoding(name)
+    np.testing.assert_array_equal(enc.decode(enc.init(SHAPE)), jnp.zeros(SHAPE))
+
+
+def test_state_shapes_dtypes_and_bytes_per_param():
+  R, C = SHAPE[-2:]
+  lead = SHAPE[:-2]
+  n = np.prod(SHAPE)
+  expected = {
+      "fp32": ({"": (SHAPE, jnp.float32)}, 4.0),
+      "bf16": ({"": (SHAPE, jnp.bfloat16)}, 2.0),
+      "int8": ({"codes": (SHAPE, jnp.int8), "scale": (lead + (R, 1), jnp.float32)},
+               1 + 4 / C),  # one block of 256 covers C=40
+      "sign": ({"bits": (lead + (R, 5), jnp.uint8),
+                "magnitude/row": (lead + (R,), jnp.float32),
+                "magnitude/col": (lead + (C,), jnp.float32)},
+               (np.prod(lead) * R * 5 + 4 * np.prod(lead) * (R + C)) / n),
+  }
+  for name, (fields, bytes_per_param) in expected.items():
+    enc = encodings.get_encoding(name)
+    state = jax.eval_shape(lambda: enc.init(SHAPE))
+    flat = {"/".join(str(getattr(k, "name", k)) for k in path): (x.shape, x.dtype)
+            for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert flat == {k: (tuple(s), jnp.dtype(d)) for k, (s, d) in fields.items()}, name
+    assert enc.bytes_per_param(SHAPE) == pytest.approx(bytes_per_param), name
+
+
+def test_sign_bytes_per_param_at_6p78b_expert_shape():
+  # 1/8 bit-packed sign + fp32 row and column means of each 1024 x 1400 matrix.
+  got = encodings.get_encoding("sign").bytes_per_param((64, 1024, 1400))
+  assert got == pytest.approx(1 / 8 + 4 * (1024 + 1400) / (1024 * 1400))
+
+
+def test_unknown_encoding_and_bad_block_size_raise():
+  with pytest.raises(ValueError, match="Unknown momentum encoding 'int4'"):
+    encodings.get_encoding("int4")
+  with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+    encodings.get_encoding("int8", block_size=0)
+
+
+def test_rank_one_reconstruction_has_input_means():
+  x = jax.random.uniform(jax.random.PRNGKey(2), (4, 6, 7))
+  means = factored.row_col_means(x)
+  recon = factored.rank_one(means.row, means.col)
+  np.testing.assert_allclose(recon.mean(-1), means.row, rtol=1e-5)
+  np.testing.assert_allclose(recon.mean(-2), means.col, rtol=1e-5)

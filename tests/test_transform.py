@@ -1,0 +1,307 @@
+"""SkewAdam against independent references: optax's Adam/AdamW and numpy loops."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import skewadam_jax as sa
+from skewadam_jax import labels as labels_lib
+
+EXACT = sa.TierConfig(momentum="fp32", second_moment="exact")
+ALL_EXACT = dict(backbone=EXACT, expert=EXACT, router=EXACT)
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 25)
+
+
+def run(tx, params, grads_seq):
+  """Applies tx for every gradient in grads_seq; returns params after each step."""
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  trajectory = []
+  for grads in grads_seq:
+    params, state = step(params, state, grads)
+    trajectory.append(params)
+  return trajectory, state
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol), a, b)
+
+
+def leaf(tree, path):
+  for part in path.split("/"):
+    tree = tree[part]
+  return tree
+
+
+def test_all_exact_fp32_equals_adamw(params, grad_seq):
+  kw = dict(learning_rate=SCHEDULE, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1,
+            mask=sa.matrices_only)
+  ref, _ = run(optax.adamw(**kw), params, grad_seq)
+  kw["weight_decay_mask"] = kw.pop("mask")
+  got, _ = run(sa.skewadam(**kw, **ALL_EXACT), params, grad_seq)
+  assert len(got) >= 20
+  for step, (r, g) in enumerate(zip(ref, got)):
+    assert_trees_close(g, r), step
+
+
+def test_default_router_follows_adam_exactly(params, grad_seq):
+  ref, _ = run(optax.adam(1e-2), params, grad_seq)
+  got, state = run(sa.skewadam(1e-2, weight_decay=0.0), params, grad_seq)
+  assert list(state[0].router.nu) == ["layers/moe/router/kernel"]
+  for r, g in zip(ref, got):
+    np.testing.assert_allclose(leaf(g, "layers/moe/router/kernel"),
+                               leaf(r, "layers/moe/router/kernel"), rtol=1e-5, atol=1e-6)
+
+
+def numpy_factored_reference(grads_seq, b1, b2, eps, factored_eps):
+  """Per-expert loop: row/col EMAs of g² and Adam's update for each matrix alone."""
+  lead = grads_seq[0].shape[:-2]
+  R, C = grads_seq[0].shape[-2:]
+  rows = np.zeros(lead + (R,)); cols = np.zeros(lead + (C,)); m = np.zeros(lead + (R, C))
+  out = []
+  for t, g in enumerate(grads_seq, start=1):
+    g = np.asarray(g, np.float64)
+    u = np.zeros_like(g)
+    for idx in np.ndindex(*lead):
+      g2 = g[idx] ** 2 + factored_eps
+      rows[idx] = b2 * rows[idx] + (1 - b2) * g2.mean(axis=1)
+      cols[idx] = b2 * cols[idx] + (1 - b2) * g2.mean(axis=0)
+      v = np.outer(rows[idx], cols[idx]) / rows[idx].mean()
+      m[idx] = b1 * m[idx] + (1 - b1) * g[idx]
+      u[idx] = (m[idx] / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    out.append((rows.copy(), cols.copy(), u))
+  return out
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 3, 5, 7)])
+def test_expert_factored_second_moment_matches_per_expert_loop(shape):
+  keys = jax.random.split(jax.random.PRNGKey(7), 6)
+  # Different scales per expert so a mixed-up axis would show.
+  scales = jnp.arange(1, shape[-3] + 1, dtype=jnp.float32)[:, None, None]
+  grads_seq = [jax.random.normal(k, shape) * scales for k in keys]
+  params = {"experts": jnp.zeros(shape)}
+  tx = sa.scale_by_skewadam(b1=0.9, b2=0.95, eps=1e-8,
+                            expert=sa.TierConfig(momentum="fp32", second_moment="factored"))
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  ref = numpy_factored_reference(grads_seq, 0.9, 0.95, 1e-8, 1e-30)
+  for g, (rows, cols, u_ref) in zip(grads_seq, ref):
+    u, state = update({"experts": g}, state)
+    nu = state.expert.nu["experts"]
+    assert nu.row.shape == shape[:-1] and nu.col.shape == shape[:-2] + shape[-1:]
+    np.testing.assert_allclose(nu.row, rows, rtol=1e-5)
+    np.testing.assert_allclose(nu.col, cols, rtol=1e-5)
+    np.testing.assert_allclose(u["experts"], u_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_one_experts_state_ignores_another_experts_gradient(params, grad_seq):
+  tx = sa.scale_by_skewadam()  # default: sign momentum, factored v
+  update = jax.jit(tx.update)
+  path = "layers/moe/experts/w_up"
+
+  def run_with(perturb):
+    state = tx.init(params)
+    for g in grad_seq[:4]:
+      if perturb:
+        w_up = g["layers"]["moe"]["experts"]["w_up"]
+        g = jax.tree.map(lambda x: x, g)
+        g["layers"]["moe"]["experts"]["w_up"] = w_up.at[:, 1].mul(100.0).at[:, 1, 0].set(-3.0)
+      u, state = update(g, state)
+    return leaf(u, path), state.expert.nu[path], state.expert.mu[path]
+
+  u_a, nu_a, mu_a = run_with(False)
+  u_b, nu_b, mu_b = run_with(True)
+  others = np.array([0, 2, 3])
+  np.testing.assert_array_equal(u_a[:, others], u_b[:, others])
+  for a, b in zip(jax.tree.leaves((nu_a, mu_a)), jax.tree.leaves((nu_b, mu_b))):
+    np.testing.assert_array_equal(a[:, others], b[:, others])
+  assert not np.allclose(u_a[:, 1], u_b[:, 1])
+
+
+@pytest.mark.parametrize("momentum", sa.ENCODINGS)
+def test_every_encoding_trains_and_keeps_state_avals(params, grad_seq, momentum):
+  tx = sa.skewadam(1e-2, expert=sa.TierConfig(momentum=momentum, second_moment="factored"))
+  state0 = tx.init(params)
+  _, state = run(tx, params, grad_seq[:3])
+  assert jax.tree.structure(state) == jax.tree.structure(state0)
+  for a, b in zip(jax.tree.leaves(state0), jax.tree.leaves(state)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    assert bool(jnp.all(jnp.isfinite(b.astype(jnp.float32))))
+
+
+def test_init_from_shape_dtype_structs(params):
+  tx = sa.skewadam(1e-3)
+  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+  concrete = tx.init(params)
+  for state in (tx.init(abstract), jax.eval_shape(tx.init, abstract)):
+    assert jax.tree.structure(state) == jax.tree.structure(concrete)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(state)] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(concrete)]
+
+
+def test_state_avals_identical_after_init_and_update_under_cond(params, grad_seq):
+  tx = sa.skewadam(1e-3, expert=sa.TierConfig(momentum="int8", second_moment="factored"))
+  state = tx.init(params)
+
+  @jax.jit
+  def maybe_step(pred, state):
+    return jax.lax.cond(pred, lambda s: tx.update(grad_seq[0], s, params)[1],
+                        lambda s: s, state)
+
+  for pred in (True, False):
+    new = maybe_step(pred, state)
+    assert jax.tree.structure(new) == jax.tree.structure(state)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), new) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), state)
+  assert int(maybe_step(True, state)[0].count) == 1
+  assert int(maybe_step(False, state)[0].count) == 0
+
+
+def test_chain_with_clipping_equals_clipped_adamw(params, grad_seq):
+  ref, _ = run(optax.chain(optax.clip_by_global_norm(0.5),
+                           optax.adamw(1e-2, weight_decay=0.1, mask=sa.matrices_only)),
+               params, grad_seq[:10])
+  got, _ = run(optax.chain(optax.clip_by_global_norm(0.5),
+                           sa.skewadam(1e-2, weight_decay=0.1, **ALL_EXACT)),
+               params, grad_seq[:10])
+  assert_trees_close(got[-1], ref[-1])
+
+
+def test_inject_hyperparams_matches_plain_and_lr_can_change(params, grad_seq):
+  factory = optax.inject_hyperparams(
+      sa.skewadam, static_args=("weight_decay_mask", "param_labels"),
+      hyperparam_dtype=jnp.float32)
+  tx = factory(learning_rate=1e-2, weight_decay=0.1, param_labels=sa.moe_param_labels,
+               expert=sa.TierConfig(momentum="int8", second_moment="factored"))
+  plain = sa.skewadam(1e-2, weight_decay=0.1,
+                      expert=sa.TierConfig(momentum="int8", second_moment="factored"))
+  got, state = run(tx, params, grad_seq[:5])
+  ref, _ = run(plain, params, grad_seq[:5])
+  assert_trees_close(got[-1], ref[-1])
+  state.hyperparams["learning_rate"] = jnp.asarray(0.0)
+  updates, _ = tx.update(grad_seq[5], state, got[-1])
+  assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
+
+
+def test_multisteps_accumulates_then_steps(params, grad_seq):
+  tx = sa.skewadam(1e-2)
+  multi = optax.MultiSteps(tx, every_k_schedule=2)
+  mean_grads = jax.tree.map(lambda a, b: (a + b) / 2, grad_seq[0], grad_seq[1])
+  ref, _ = run(tx, params, [mean_grads])
+  got, state = run(multi, params, grad_seq[:2])
+  assert_trees_close(got[0], params, rtol=0, atol=0)   # first micro-step: no change
+  assert_trees_close(got[1], ref[0])
+  assert int(state.gradient_step) == 1
+
+
+def test_apply_if_finite_skips_non_finite_step(params, grad_seq):
+  tx = optax.apply_if_finite(sa.skewadam(1e-2), max_consecutive_errors=3)
+  state = tx.init(params)
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grad_seq[0])
+  updates, new_state = jax.jit(tx.update)(bad, state, params)
+  assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
+  assert_trees_close(new_state.inner_state, state.inner_state, rtol=0, atol=0)
+  assert int(new_state.notfinite_count) == 1
+  got, _ = run(tx, params, grad_seq[:3])
+  ref, _ = run(sa.skewadam(1e-2), params, grad_seq[:3])
+  assert_trees_close(got[-1], ref[-1])
+
+
+def test_bf16_params_get_bf16_updates_from_fp32_state(params, grad_seq):
+  tx = sa.skewadam(1e-2)
+  p16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  g16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grad_seq[0])
+  state = tx.init(p16)
+  assert {x.dtype for x in jax.tree.leaves(state)} <= {
+      jnp.dtype(d) for d in (jnp.int32, jnp.float32, jnp.uint8)}
+  u16, _ = jax.jit(tx.update)(g16, state, p16)
+  u32, _ = jax.jit(tx.update)(jax.tree.map(lambda g: g.astype(jnp.float32), g16), tx.init(params),
+                              jax.tree.map(lambda p: p.astype(jnp.float32), p16))
+  assert {u.dtype for u in jax.tree.leaves(u16)} == {jnp.dtype(jnp.bfloat16)}
+  assert_trees_close(jax.tree.map(lambda u: u.astype(jnp.float32), u16), u32, rtol=1e-2, atol=1e-6)
+  new = optax.apply_updates(p16, u16)
+  assert {p.dtype for p in jax.tree.leaves(new)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def _minimise(loss, init, tx, steps):
+  @jax.jit
+  def go(params):
+    def body(_, carry):
+      params, state = carry
+      updates, state = tx.update(jax.grad(loss)(params), state, params)
+      return optax.apply_updates(params, updates), state
+    return jax.lax.fori_loop(0, steps, body, (params, tx.init(params)))[0]
+  return go(init)
+
+
+def test_minimises_parabola():
+  final = jnp.array([1.0, -1.0, 1.0])
+  got = _minimise(lambda p: jnp.sum((p - final) ** 2), jnp.array([-1.0, 10.0, 1.0]),
+                  sa.skewadam(1e-1, weight_decay=0.0), 10_000)
+  np.testing.assert_allclose(got, final, atol=1e-2)
+
+
+def test_minimises_rosenbrock():
+  def rosenbrock(p, a=1.0, b=100.0):
+    return (a - p[0]) ** 2 + b * (p[1] - p[0] ** 2) ** 2
+  got = _minimise(rosenbrock, jnp.array([0.0, 0.0]), sa.skewadam(1e-2, weight_decay=0.0), 10_000)
+  np.testing.assert_allclose(got, jnp.array([1.0, 1.0]), atol=3e-2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(b1=1.0), r"b1 must be in \[0, 1\), got 1.0"),
+    (dict(b1=-0.1), r"b1 must be in \[0, 1\), got -0.1"),
+    (dict(b2=1.5), r"b2 must be in \[0, 1\), got 1.5"),
+    (dict(eps=0.0), r"eps must be > 0, got 0.0"),
+    (dict(eps=-1e-8), r"eps must be > 0"),
+    (dict(expert={"momentum": "int4"}), r"Unknown momentum encoding 'int4'"),
+    (dict(backbone={"second_moment": "low-rank"}), r"Unknown second_moment 'low-rank'"),
+    (dict(router="fp32"), r"router must be a TierConfig"),
+])
+def test_bad_hyperparameters_raise(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    sa.scale_by_skewadam(**kwargs)
+
+
+def test_unknown_encoding_in_tier_config_raises():
+  with pytest.raises(ValueError, match="Unknown momentum encoding 'fp8'"):
+    sa.TierConfig(momentum="fp8")
+
+
+def test_bad_labels_raise_naming_the_path(params):
+  labels = sa.moe_param_labels(params)
+  labels["embed"] = "dense"
+  with pytest.raises(ValueError, match=r"'embed' has label 'dense'"):
+    sa.scale_by_skewadam(param_labels=labels).init(params)
+  with pytest.raises(ValueError, match=r"no label for \['final_norm'\]"):
+    sa.scale_by_skewadam(param_labels={"embed": "backbone"}).init(
+        {"embed": params["embed"], "final_norm": params["final_norm"]})
+
+
+def test_expert_leaf_with_fewer_than_3_dims_raises(params):
+  bad = {"moe": {"experts": jnp.zeros((8, 6))}}
+  with pytest.raises(ValueError, match=r"'moe/experts' has shape \(8, 6\).*at least 3"):
+    sa.scale_by_skewadam().init(bad)
+
+
+def test_update_with_changed_shape_or_labels_raises(params):
+  tx = sa.scale_by_skewadam()
+  small = {"a": jnp.zeros((4, 3)), "b": {"experts": jnp.zeros((2, 4, 3))}}
+  state = tx.init(small)
+  with pytest.raises(ValueError, match=r"'a' has shape \(5, 3\)"):
+    tx.update({"a": jnp.zeros((5, 3)), "b": {"experts": jnp.zeros((2, 4, 3))}}, state)
+  relabel = sa.scale_by_skewadam(param_labels=lambda t: {"a": "router", "b": {"experts": "expert"}})
+  with pytest.raises(ValueError, match=r"'a' is labelled 'router', but init put it in the 'backbone'"):
+    relabel.update(small, state)
+  with pytest.raises(ValueError, match=r"\['b/experts'\] had 'expert' state at init"):
+    sa.scale_by_skewadam(param_labels=lambda t: {"a": "backbone"}).update(
+        {"a": jnp.zeros((4, 3))}, state)
