@@ -1,0 +1,1 @@
+"""Experiments: training, optimizer comparison, memory planner, benchmarks, data."""
