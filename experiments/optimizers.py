@@ -1,0 +1,99 @@
+"""The optimizers the experiments compare, built the same way for each.
+
+Every optimizer gets the same learning-rate schedule shape (linear warmup, cosine
+decay to 10 % of the peak) and the same global-norm clipping; each gets its own
+peak learning rate. Weight decay is decoupled and applied to matrices only
+(leaves with 2 or more dimensions) for every optimizer:
+
+| name | transform | weight decay |
+|---|---|---|
+| adamw | ``optax.adamw`` (fp32 moments) | ``weight_decay`` on matrices |
+| skewadam | ``skewadam_jax.skewadam`` (tier configs from ``skewadam_tiers``) | same |
+| muon | ``optax.contrib.muon``: Newton–Schulz on the last two axes of attention and expert matrices (layer and expert axes are batch axes); AdamW for embeddings, unembedding, router and vectors | same on both parts |
+| lion | ``optax.lion`` | same (Lion's usual lr is ~10× smaller) |
+| adafactor | ``optax.adafactor`` without momentum, its relative step replaced by our schedule | same, as ``weight_decay_rate`` |
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, muon
+
+import skewadam_jax
+
+OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor")
+
+# Defaults per optimizer, from the small-scale sweep (see the README).
+DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
+              "adafactor": 3e-3}
+
+# Parameters Muon leaves to AdamW: embeddings, unembedding, the router.
+_MUON_EXCLUDE = re.compile(r"(^|/)(embed|unembed|router)(/|$)")
+
+
+def lr_schedule(peak_lr: float, total_steps: int, warmup_steps: int):
+  """Linear warmup to ``peak_lr``, then cosine decay to ``peak_lr / 10``."""
+  warmup_steps = max(1, min(warmup_steps, total_steps - 1)) if total_steps > 1 else 0
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak_lr, warmup_steps=warmup_steps,
+      decay_steps=max(total_steps, warmup_steps + 1), end_value=peak_lr / 10)
+
+
+def muon_dimension_numbers(params):
+  """Muon's dimension numbers: the last two axes of every matrix it handles.
+
+  Stacked leaves (``[L, d_in, d_out]`` attention, ``[L, E, d_in, d_out]``
+  experts) are orthogonalised per layer and per expert; embeddings, the
+  unembedding, the router and vectors return ``None`` and go to AdamW.
+  """
+  def spec(path, x):
+    name = skewadam_jax.labels.path_to_str(path)
+    if len(x.shape) < 2 or _MUON_EXCLUDE.search(name):
+      return None
+    return MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
+                   clip_norm: float = 1.0, skewadam_tiers: dict | None = None,
+                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+  """Builds optimizer ``name`` with global-norm clipping in front.
+
+  Args:
+    name: one of :data:`OPTIMIZERS`.
+    learning_rate: float or schedule.
+    weight_decay: decoupled weight decay on matrices.
+    clip_norm: global gradient-norm clip (``0`` disables it).
+    skewadam_tiers: ``{"backbone": ..., "expert": ..., "router": ...}``
+      ``TierConfig``s (or dicts) for SkewAdam; defaults otherwise.
+    b1, b2: Adam-family moment decays (AdamW, SkewAdam, Muon's AdamW part).
+
+  Raises:
+    ValueError: for an unknown name.
+  """
+  mask = skewadam_jax.matrices_only
+  if name == "adamw":
+    tx = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
+                     mask=mask, mu_dtype=jnp.float32)
+  elif name == "skewadam":
+    tx = skewadam_jax.skewadam(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
+                               weight_decay_mask=mask, **(skewadam_tiers or {}))
+  elif name == "muon":
+    tx = muon(learning_rate, weight_decay=weight_decay, weight_decay_mask=mask,
+              adam_b1=b1, adam_b2=b2, adam_weight_decay=weight_decay,
+              muon_weight_dimension_numbers=muon_dimension_numbers)
+  elif name == "lion":
+    tx = optax.lion(learning_rate, weight_decay=weight_decay, mask=mask)
+  elif name == "adafactor":
+    tx = optax.adafactor(learning_rate, multiply_by_parameter_scale=False,
+                         weight_decay_rate=weight_decay, weight_decay_mask=mask)
+  else:
+    raise ValueError(f"Unknown optimizer {name!r}; expected one of {OPTIMIZERS}.")
+  if clip_norm:
+    tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+  return tx

@@ -1,0 +1,43 @@
+"""The model's parameter paths meet the optimizer's default labeller (the contract)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import models
+import skewadam_jax
+from experiments import state_bytes
+from skewadam_jax import labels as labels_lib
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe-6.78b"])
+def test_default_labeller_routes_every_model_parameter(preset):
+  params = state_bytes.abstract_params(preset)
+  paths, leaves, tiers, _ = labels_lib.resolve_labels(None, params)
+  config = models.get_preset(preset)
+  L, D, E, F = config.num_layers, config.d_model, config.num_experts, config.d_ff
+  got = {path: (tier, leaf.shape) for path, tier, leaf in zip(paths, tiers, leaves)}
+  assert {p: t for p, (t, _) in got.items() if t != "backbone"} == {
+      "layers/moe/router/kernel": "router",
+      "layers/moe/experts/w_gate": "expert",
+      "layers/moe/experts/w_up": "expert",
+      "layers/moe/experts/w_down": "expert",
+  }
+  assert got["layers/moe/router/kernel"][1] == (L, D, E)
+  assert got["layers/moe/experts/w_down"][1] == (L, E, F, D)
+  # The model's own view of the contract agrees leaf for leaf.
+  assert all(models.param_tier(p) == t for p, (t, _) in got.items())
+
+
+def test_6p78b_split_and_state_bytes_from_the_real_model():
+  params = state_bytes.abstract_params("moe-6.78b")
+  labels = jax.tree.leaves(skewadam_jax.moe_param_labels(params))
+  counts = {t: 0 for t in skewadam_jax.TIERS}
+  for leaf, tier in zip(jax.tree.leaves(params), labels):
+    counts[tier] += leaf.size
+  assert counts == {"backbone": 167_822_336, "expert": 6_606_028_800, "router": 1_572_864}
+  adamw = state_bytes.state_bytes("moe-6.78b", "adamw")
+  assert round(adamw["total"] / 1e9, 1) == 54.2
+  skew = state_bytes.state_bytes("moe-6.78b", "skewadam")
+  assert skew["total"] == sum(skew[t] for t in ("backbone", "expert", "router", "other"))
+  assert skew["backbone"] == 8 * counts["backbone"]

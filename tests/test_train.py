@@ -1,0 +1,89 @@
+"""The training command on `tiny`: every optimizer learns, resume is exact, bad flags fail cleanly."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import optimizers
+from experiments import train as train_lib
+
+TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
+            warmup_steps=2)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A small generated corpus of two 'works' keeps tokenizer training instant."""
+  root = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
+  for name in ("first", "second", "third"):
+    text = "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(300))
+    (root / f"{name}.txt").write_text(text)
+  return str(root)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tokenizers")
+
+
+def read_losses(out):
+  return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+          if "loss" in r]
+
+
+@pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
+def test_a_few_steps_lower_the_loss(tmp_path, corpus, cache_dir, optimizer):
+  config = train_lib.TrainConfig(optimizer=optimizer, steps=12, data=corpus, **TINY)
+  summary = train_lib.train(config, tmp_path, cache_dir=cache_dir, progress=False)
+  losses = read_losses(tmp_path)
+  assert len(losses) == 12
+  assert np.mean(losses[-3:]) < losses[0] - 0.3, losses
+  saved = json.loads((tmp_path / "summary.json").read_text())
+  for key in ("val_ppl", "unigram_ppl", "steps", "tokens_per_s", "opt_state_bytes_by_tier"):
+    assert key in saved
+  by_tier = saved["opt_state_bytes_by_tier"]
+  assert by_tier["total"] == sum(by_tier[k] for k in ("backbone", "expert", "router", "other"))
+  assert by_tier["expert"] > 0 and np.isfinite(saved["val_ppl"])
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, corpus, cache_dir):
+  config = train_lib.TrainConfig(optimizer="skewadam", steps=8, data=corpus,
+                                 ckpt_every=100, **TINY)
+  full = train_lib.train(config, tmp_path / "full", cache_dir=cache_dir, progress=False)
+  first = train_lib.train(config, tmp_path / "split", stop_after=4, cache_dir=cache_dir,
+                          progress=False)
+  assert not first["completed"] and "val_ppl" not in first
+  resumed = train_lib.train(config, tmp_path / "split", resume=True, cache_dir=cache_dir,
+                            progress=False)
+  np.testing.assert_allclose(read_losses(tmp_path / "split"), read_losses(tmp_path / "full"),
+                             rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               resumed["_params"], full["_params"])
+  assert resumed["val_ppl"] == pytest.approx(full["val_ppl"], rel=1e-6)
+
+
+def test_resume_refuses_a_different_optimizer(tmp_path, corpus, cache_dir):
+  config = train_lib.TrainConfig(optimizer="skewadam", steps=4, data=corpus, **TINY)
+  train_lib.train(config, tmp_path, stop_after=2, cache_dir=cache_dir, progress=False)
+  other = train_lib.TrainConfig(optimizer="adamw", steps=4, data=corpus, **TINY)
+  with pytest.raises(ValueError, match="optimizer='skewadam' but this run has optimizer='adamw'"):
+    train_lib.train(other, tmp_path, resume=True, cache_dir=cache_dir, progress=False)
+  with pytest.raises(ValueError, match="already holds a checkpoint"):
+    train_lib.train(config, tmp_path, cache_dir=cache_dir, progress=False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizer", "sgd"], "unknown optimizer 'sgd'"),
+    (["--preset", "huge"], "Unknown model preset 'huge'"),
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+])
+def test_bad_flags_fail_with_one_line(capsys, flags, message):
+  assert train_lib.main(["--preset", "tiny", "--no-progress", "--out", "/tmp/unused"] + flags) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and message in err and "\n" not in err
