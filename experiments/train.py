@@ -52,11 +52,11 @@ class TrainConfig:
   """
   preset: str = "small"
   optimizer: str = "skewadam"
-  steps: int = 300
+  steps: int = 600
   batch_size: int = 16
   seq_len: int | None = None
   lr: float | None = None
-  warmup_steps: int = 30
+  warmup_steps: int = 60
   weight_decay: float = 0.1
   clip_norm: float = 1.0
   seed: int = 0
@@ -107,6 +107,34 @@ class TrainConfig:
     skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
 
 
+def make_step_fns(graphdef, rest, tx):
+  """The train and eval step functions (not yet jitted) of a split NNX model.
+
+  ``train_step(params, opt_state, inputs, targets) -> (params, opt_state,
+  metrics)`` runs forward, backward and the optimizer update; the training
+  command jits it with ``donate_argnums=(0, 1)`` and the memory planner
+  compiles exactly this function.
+  ``eval_step(params, inputs, targets) -> (sum of token cross-entropies,
+  token count)``.
+  """
+  def loss(params, inputs, targets):
+    return models.lm_loss(nnx.merge(graphdef, params, rest), inputs, targets)
+
+  def train_step(params, opt_state, inputs, targets):
+    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, inputs, targets)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {k: v for k, v in metrics.items() if k != "expert_fraction"}
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return params, opt_state, metrics
+
+  def eval_step(params, inputs, targets):
+    _, metrics = loss(params, inputs, targets)
+    return metrics["ce_loss"] * inputs.size, inputs.size
+
+  return train_step, eval_step
+
+
 class Run:
   """A model, its optimizer, the data and the compiled step functions."""
 
@@ -137,29 +165,13 @@ class Run:
         config.optimizer, learning_rate=self.schedule,
         weight_decay=config.weight_decay, clip_norm=config.clip_norm,
         skewadam_tiers=config.skewadam_tiers())
-    self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
-    self.eval_step = jax.jit(self._eval_step)
+    train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx)
+    self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
+    self.eval_step = jax.jit(eval_step)
 
   def init_state(self):
     params = jax.tree.map(jnp.copy, self.initial_params)
     return params, self.tx.init(params)
-
-  def _loss(self, params, inputs, targets):
-    model = nnx.merge(self.graphdef, params, self.rest)
-    return models.lm_loss(model, inputs, targets)
-
-  def _train_step(self, params, opt_state, inputs, targets):
-    (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
-        params, inputs, targets)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = {k: v for k, v in metrics.items() if k != "expert_fraction"}
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    return params, opt_state, metrics
-
-  def _eval_step(self, params, inputs, targets):
-    _, metrics = self._loss(params, inputs, targets)
-    return metrics["ce_loss"] * inputs.size, inputs.size
 
   def evaluate(self, params) -> float:
     """Validation perplexity: exp of the mean next-token cross-entropy."""
