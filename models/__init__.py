@@ -35,7 +35,9 @@ from models.transformer import (
     Transformer,
     apply_rope,
     count_params,
+    chunked_cross_entropy,
     lm_loss,
+    token_cross_entropy,
     param_shapes,
     param_tier,
     path_str,
@@ -48,6 +50,6 @@ __all__ = [
     'experts_blocked', 'experts_dense', 'experts_ragged',
     'load_balancing_loss', 'route', 'router_z_loss',
     'Attention', 'Block', 'RMSNorm', 'Transformer', 'apply_rope',
-    'count_params', 'lm_loss', 'param_shapes', 'param_tier', 'path_str',
+    'chunked_cross_entropy', 'count_params', 'lm_loss', 'token_cross_entropy', 'param_shapes', 'param_tier', 'path_str',
     'rope_tables',
 ]

@@ -49,6 +49,9 @@ class ModelConfig:
     lb_loss_coef: Weight of the Switch/GShard load-balancing loss.
     z_loss_coef: Weight of the ST-MoE router z-loss.
     remat: Rematerialise each layer in the backward pass (``nnx.remat``).
+    loss_chunk_size: If > 0, the cross-entropy computes float32 logits this
+      many tokens at a time (forward and backward), never holding the whole
+      ``[B*T, V]`` logits; 0 computes them in one piece.
     attention_impl: ``implementation`` passed to
       ``jax.nn.dot_product_attention`` (None lets JAX choose).
   """
@@ -70,6 +73,7 @@ class ModelConfig:
   lb_loss_coef: float = 0.01
   z_loss_coef: float = 1e-3
   remat: bool = True
+  loss_chunk_size: int = 0
   attention_impl: str | None = None
 
   def __post_init__(self):
@@ -93,6 +97,8 @@ class ModelConfig:
       raise ValueError(
           f'attention_impl={self.attention_impl!r} is not one of'
           f' {ATTENTION_IMPLS}')
+    if self.loss_chunk_size < 0:
+      raise ValueError(f'loss_chunk_size must be >= 0, got {self.loss_chunk_size}')
     if self.moe_block_size < 1:
       raise ValueError(f'moe_block_size must be >= 1, got {self.moe_block_size}')
 

@@ -141,17 +141,10 @@ class Transformer(nnx.Module):
         dtype=config.compute_dtype, param_dtype=config.param_dtype,
         preferred_element_type=jnp.float32, rngs=rngs)
 
-  def __call__(self, tokens_BT: Array) -> tuple[Array, dict[str, Array]]:
-    """Runs the model.
+  def features(self, tokens_BT: Array) -> tuple[Array, dict[str, Array]]:
+    """Final-normed hidden states ``x_BTD`` (before the unembedding) and aux.
 
-    Args:
-      tokens_BT: int token ids, [B, T] with T <= config.max_seq_len.
-
-    Returns:
-      ``(logits_BTV, aux)``: float32 logits, and float32 ``aux`` with
-      ``lb_loss`` and ``z_loss`` averaged over layers (so their scale and the
-      coefficients do not depend on depth; 1 and (log E)^2 for a uniform
-      router) plus ``expert_fraction`` [L, E] (f_e per layer, for logging).
+    See ``__call__`` for ``aux``.
     """
     cfg = self.config
     T = tokens_BT.shape[-1]
@@ -165,14 +158,61 @@ class Transformer(nnx.Module):
     x_BTD, aux_L = nnx.scan(
         step, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0),
     )(x_BTD, self.layers, sin_TK, cos_TK)
-
-    logits_BTV = self.unembed(self.final_norm(x_BTD))
     aux = {
         'lb_loss': jnp.mean(aux_L['lb_loss']),
         'z_loss': jnp.mean(aux_L['z_loss']),
         'expert_fraction': aux_L['expert_fraction'],
     }
-    return logits_BTV.astype(jnp.float32), aux
+    return self.final_norm(x_BTD), aux
+
+  def __call__(self, tokens_BT: Array) -> tuple[Array, dict[str, Array]]:
+    """Runs the model.
+
+    Args:
+      tokens_BT: int token ids, [B, T] with T <= config.max_seq_len.
+
+    Returns:
+      ``(logits_BTV, aux)``: float32 logits, and float32 ``aux`` with
+      ``lb_loss`` and ``z_loss`` averaged over layers (so their scale and the
+      coefficients do not depend on depth; 1 and (log E)^2 for a uniform
+      router) plus ``expert_fraction`` [L, E] (f_e per layer, for logging).
+    """
+    x_BTD, aux = self.features(tokens_BT)
+    return self.unembed(x_BTD).astype(jnp.float32), aux
+
+
+def token_cross_entropy(kernel_DV: Array, x_ND: Array, targets_N: Array,
+                        compute_dtype) -> Array:
+  """Per-token cross-entropy of ``targets_N`` under logits ``x_ND @ kernel_DV``.
+
+  The matmul runs in ``compute_dtype`` and accumulates in float32, as the
+  model's unembedding does; the logits are float32.
+  """
+  logits_NV = jnp.matmul(x_ND.astype(compute_dtype), kernel_DV.astype(compute_dtype),
+                         preferred_element_type=jnp.float32)
+  target_logit_N = jnp.take_along_axis(logits_NV, targets_N[:, None], axis=-1)[:, 0]
+  return jax.nn.logsumexp(logits_NV, axis=-1) - target_logit_N
+
+
+def chunked_cross_entropy(kernel_DV: Array, x_BTD: Array, targets_BT: Array,
+                          chunk_size: int, compute_dtype) -> Array:
+  """:func:`token_cross_entropy` ``[B, T]``, ``chunk_size`` tokens at a time.
+
+  The float32 logits ``[B·T, V]`` are never held whole: a map over token
+  chunks with a rematerialised body keeps one ``[chunk_size, V]`` block alive
+  in the forward and in the backward pass. Tokens are padded to a whole number
+  of chunks; the padding is dropped from the result.
+  """
+  B, T, D = x_BTD.shape
+  n = B * T
+  num_chunks = -(-n // chunk_size)
+  pad = num_chunks * chunk_size - n
+  x_CKD = jnp.pad(x_BTD.reshape(n, D), ((0, pad), (0, 0))).reshape(num_chunks, chunk_size, D)
+  t_CK = jnp.pad(targets_BT.reshape(n), (0, pad)).reshape(num_chunks, chunk_size)
+  chunk = jax.checkpoint(
+      lambda xs: token_cross_entropy(kernel_DV, xs[0], xs[1], compute_dtype))
+  ce_CK = jax.lax.map(chunk, (x_CKD, t_CK))
+  return ce_CK.reshape(-1)[:n].reshape(B, T)
 
 
 def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
@@ -193,10 +233,15 @@ def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
     ``lb_loss``, ``z_loss`` and ``expert_fraction`` [L, E].
   """
   cfg = model.config
-  logits_BTV, aux = model(tokens_BT)
-  target_logit_BT = jnp.take_along_axis(
-      logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-  ce_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
+  x_BTD, aux = model.features(tokens_BT)
+  kernel_DV = model.unembed.kernel[...]
+  if cfg.loss_chunk_size and tokens_BT.size > cfg.loss_chunk_size:
+    ce_BT = chunked_cross_entropy(kernel_DV, x_BTD, targets_BT, cfg.loss_chunk_size,
+                                  cfg.compute_dtype)
+  else:
+    B, T, D = x_BTD.shape
+    ce_BT = token_cross_entropy(kernel_DV, x_BTD.reshape(B * T, D),
+                                targets_BT.reshape(B * T), cfg.compute_dtype).reshape(B, T)
   if weights_BT is None:
     ce = jnp.mean(ce_BT)
   else:

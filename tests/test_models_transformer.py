@@ -147,3 +147,19 @@ def test_get_preset_errors():
   with pytest.raises(ValueError, match='bogus'):
     get_preset('tiny', bogus=1)
   assert get_preset('tiny', param_dtype='bfloat16').param_dtype == jnp.bfloat16
+
+
+def test_chunked_cross_entropy_matches_whole_logits_and_grads():
+  cfg = get_preset('tiny', compute_dtype=jnp.float32)
+  chunked_cfg = dataclasses.replace(cfg, loss_chunk_size=7)  # 2*16 tokens: 5 chunks, padded
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 17), 0, cfg.vocab_size)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+  def loss_and_grads(config):
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    return nnx.value_and_grad(lambda m: lm_loss(m, inputs, targets)[0])(model)
+
+  (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(cfg), loss_and_grads(chunked_cfg)
+  np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               nnx.state(grads_a), nnx.state(grads_b))
