@@ -5,6 +5,9 @@ decay to 10 % of the peak) and the same global-norm clipping; each gets its own
 peak learning rate. Weight decay is decoupled and applied to matrices only
 (leaves with 2 or more dimensions) for every optimizer:
 
+Every baseline keeps its state in fp32 whatever the parameter dtype
+(:func:`with_fp32_state`); SkewAdam's dtypes are set per tier.
+
 | name | transform | weight decay |
 |---|---|---|
 | adamw | ``optax.adamw`` (fp32 moments) | ``weight_decay`` on matrices |
@@ -59,6 +62,30 @@ def muon_dimension_numbers(params):
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def with_fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """Runs ``tx`` on float32 copies of the gradients and parameters.
+
+  optax keeps Adam's ``nu`` (and, unless told, ``mu``) in the parameters'
+  dtype, so bf16 parameters would give AdamW bf16 moments. Wrapped, every
+  baseline keeps fp32 state, as SkewAdam's fp32 tiers do and as the published
+  AdamW baseline (8 bytes of state per parameter) does. Updates come back in
+  the gradients' dtype. A no-op for fp32 parameters.
+  """
+  to32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+  def init(params):
+    return tx.init(jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32)
+        if isinstance(p, jax.ShapeDtypeStruct) else jnp.asarray(p, jnp.float32), params))
+
+  def update(updates, state, params=None, **extra_args):
+    new, state = optax.with_extra_args_support(tx).update(
+        to32(updates), state, None if params is None else to32(params), **extra_args)
+    return jax.tree.map(lambda u, g: u.astype(g.dtype), new, updates), state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
                    clip_norm: float = 1.0, skewadam_tiers: dict | None = None,
                    b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
@@ -94,6 +121,8 @@ def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
                          weight_decay_rate=weight_decay, weight_decay_mask=mask)
   else:
     raise ValueError(f"Unknown optimizer {name!r}; expected one of {OPTIMIZERS}.")
+  if name != "skewadam":
+    tx = with_fp32_state(tx)
   if clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
   return tx

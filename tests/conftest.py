@@ -1,6 +1,13 @@
 """Shared fixtures: a small MoE-shaped parameter tree and its gradients."""
 
-import jax
+import os
+
+# The tests run on the CPU. With the gpu-compile extra installed, JAX would
+# otherwise probe for CUDA at start-up (and the memory planner needs the CPU as
+# the only runtime platform to compile for a GPU target).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import pytest
 
