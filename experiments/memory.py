@@ -223,9 +223,29 @@ def _parse_tiers(args) -> dict:
   return tiers
 
 
+def markdown_table(reports: Sequence[dict]) -> str:
+  """A Markdown table of planner reports (as written by ``--json``)."""
+  lines = ["| optimizer | configuration | state | peak at batch 1 | fits (2 GB margin) "
+           "| largest batch that fits |", "|---|---|---|---|---|---|"]
+  for r in reports:
+    config = ", ".join(f"{tier}: " + "/".join(f"{v}" for v in spec.values())
+                       for tier, spec in r.get("skewadam_tiers", {}).items()) or "defaults"
+    if r["optimizer"] != "skewadam":
+      config = "fp32 state"
+    lines.append(f"| {r['optimizer']} | {config} | {r['opt_state_bytes'] / GB:.2f} GB "
+                 f"| {r['peak_bytes'] / GB:.2f} GB | {'yes' if r['fits'] else 'no'} "
+                 f"| {r['max_batch_that_fits']} |")
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] == "--table":
+    print(markdown_table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
+    return 0
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
-                                   description=__doc__.split("\n\n")[0])
+                                   description=__doc__.split("\n\n")[0],
+                                   epilog="--table FILE.json ...: print reports as a Markdown table")
   parser.add_argument("--preset", default="moe-6.78b")
   parser.add_argument("--optimizer", default="skewadam",
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")

@@ -73,7 +73,7 @@ def test_max_batch_search_against_a_known_peak_curve():
   assert memory.max_batch_that_fits(lambda b: b, device_bytes=10**9, margin_bytes=0, limit=64) == 64
 
 
-def test_command_prints_one_json_object(capsys):
+def test_command_prints_one_json_object(capsys, tmp_path):
   assert memory.main(["--preset", "tiny", "--optimizer", "skewadam", "--seq", "16",
                       "--target", "cpu", "--json", "--no-search"]) == 0
   report = json.loads(capsys.readouterr().out)
@@ -82,6 +82,10 @@ def test_command_prints_one_json_object(capsys):
               "device_bytes", "fits", "max_batch_that_fits"):
     assert key in report, key
   assert set(report["xla"]) == {"argument", "output", "alias", "temp"}
+  (tmp_path / "r.json").write_text(json.dumps(report))
+  assert memory.main(["--table", str(tmp_path / "r.json")]) == 0
+  table = capsys.readouterr().out.strip().splitlines()
+  assert len(table) == 3 and table[2].startswith("| skewadam | defaults |")
 
 
 def test_bad_arguments_fail_with_one_line(capsys):
@@ -89,3 +93,9 @@ def test_bad_arguments_fail_with_one_line(capsys):
   assert memory.main(["--preset", "tiny", "--target", "tpu-v9", "--no-search"]) == 2
   err = capsys.readouterr().err
   assert "unknown optimizer 'sgd'" in err and "unknown target 'tpu-v9'" in err
+
+
+def test_gpu_check_phase_runs_tiny_steps_on_any_device():
+  from experiments import gpu_check
+  result = gpu_check.run_phase("tiny", "skewadam", batch=1, seq=16, steps=2)
+  assert result["status"] == "ok" and len(result["step_seconds"]) == 2
