@@ -8,6 +8,7 @@ The public API:
 * :func:`moe_param_labels` — the default path-regex labeller.
 * :func:`state_bytes_by_tier`, :func:`abstract_state_bytes_by_tier`,
   :func:`tree_bytes` — exact state accounting.
+* :func:`state_shardings` — optimizer-state shardings from parameter shardings.
 """
 
 from skewadam_jax.accounting import abstract_state_bytes_by_tier
@@ -23,6 +24,7 @@ from skewadam_jax.labels import EXPERT
 from skewadam_jax.labels import ROUTER
 from skewadam_jax.labels import TIERS
 from skewadam_jax.labels import moe_param_labels
+from skewadam_jax.sharding import state_shardings
 from skewadam_jax.transform import DEFAULT_BACKBONE
 from skewadam_jax.transform import DEFAULT_EXPERT
 from skewadam_jax.transform import DEFAULT_ROUTER
@@ -41,5 +43,5 @@ __all__ = [
     "ScaleBySkewAdamState", "SignMomentum", "TIERS", "TierConfig", "TierState",
     "abstract_state_bytes_by_tier", "get_encoding", "matrices_only",
     "moe_param_labels", "scale_by_skewadam", "skewadam", "state_bytes_by_tier",
-    "tree_bytes",
+    "state_shardings", "tree_bytes",
 ]
