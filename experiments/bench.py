@@ -1,0 +1,197 @@
+"""Optimizer-update and train-step throughput, as ratios measured in one process.
+
+    python -m experiments.bench            # update benchmark, then the train step
+    python -m experiments.bench --json --skip-train-step
+
+The update benchmark times ``params, state = apply(update(grads, state, params))``
+jitted with parameters and state donated, on one MoE-shaped parameter tree
+(a scaled-down ``moe-6.78b``: stacked ``[L, E, d_in, d_out]`` SwiGLU banks,
+stacked attention, untied embeddings; 116M parameters by default), for
+SkewAdam's default and each expert-momentum encoding, ``optax.adamw``,
+``optax.adafactor`` and ``optax.lion``: the median over ``--repeats`` timed
+calls after warm-up. An update is memory-bound, so next to the time it
+reports the bytes each update must move per parameter (reads of parameters,
+gradients and state, writes of parameters and state) and the achieved
+bandwidth, against this machine's copy bandwidth measured in the same process
+(a jitted ``x + 1`` over a large array: one read and one write).
+
+The train-step benchmark trains the ``small`` preset for a few steps with
+SkewAdam and with AdamW, alternating, and reports tokens/s of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import skewadam_jax
+
+GB = 1e9
+
+
+def moe_tree(*, layers=6, experts=16, d_model=512, d_ff=704, vocab=8192, dtype=jnp.float32,
+             seed=0):
+  """A MoE-shaped parameter tree (same paths as ``models``), random normal."""
+  shapes = {
+      "embed": {"embedding": (vocab, d_model)},
+      "unembed": {"kernel": (d_model, vocab)},
+      "final_norm": {"scale": (d_model,)},
+      "layers": {
+          "attn": {n: {"kernel": (layers, d_model, d_model)}
+                   for n in ("query", "key", "value", "out")},
+          "attn_norm": {"scale": (layers, d_model)},
+          "moe_norm": {"scale": (layers, d_model)},
+          "moe": {"router": {"kernel": (layers, d_model, experts)},
+                  "experts": {"w_gate": (layers, experts, d_model, d_ff),
+                              "w_up": (layers, experts, d_model, d_ff),
+                              "w_down": (layers, experts, d_ff, d_model)}},
+      },
+  }
+  is_shape = lambda x: isinstance(x, tuple)
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [
+      (0.02 * jax.random.normal(k, s)).astype(dtype) for k, s in zip(keys, leaves)])
+
+
+def optimizers_to_bench() -> dict[str, optax.GradientTransformation]:
+  lr = 1e-3
+  txs = {"skewadam (default)": skewadam_jax.skewadam(lr)}
+  for name in ("fp32", "bf16", "int8", "none"):
+    txs[f"skewadam expert={name}"] = skewadam_jax.skewadam(lr, expert={"momentum": name})
+  txs["optax.adamw"] = optax.adamw(lr)
+  txs["optax.adafactor"] = optax.adafactor(lr)
+  txs["optax.lion"] = optax.lion(lr)
+  return txs
+
+
+def _median_seconds(fn, *args, repeats: int, warmup: int = 2):
+  """Median wall time of ``fn`` (which returns its donated arguments' successors)."""
+  for _ in range(warmup):
+    args = fn(*args)
+  jax.block_until_ready(args)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    args = jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int, repeats: int) -> float:
+  """GB/s of a jitted ``x + 1`` over ``nbytes`` of float32 (one read, one write)."""
+  x = jnp.zeros((nbytes // 4,), jnp.float32)
+  step = jax.jit(lambda x: (x + 1,), donate_argnums=0)
+  seconds = _median_seconds(step, x, repeats=repeats)
+  return 2 * nbytes / seconds / GB
+
+
+def _update_and_apply(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, grads
+  return step
+
+
+def bench_updates(params, *, repeats: int) -> dict:
+  """The update benchmark; returns ``{"copy_gbps", "num_params", "rows"}``."""
+  grads = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  param_bytes = skewadam_jax.tree_bytes(params)
+  copy_gbps = copy_bandwidth_gbps(param_bytes, repeats)
+  rows = []
+  for name, tx in optimizers_to_bench().items():
+    state = tx.init(params)
+    state_bytes = skewadam_jax.tree_bytes(state)
+
+    step = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1))
+    seconds = _median_seconds(step, jax.tree.map(jnp.copy, params), state, grads,
+                              repeats=repeats)
+    # Reads: params, grads, state; writes: params, state.
+    moved = 2 * param_bytes + skewadam_jax.tree_bytes(grads) + 2 * state_bytes
+    rows.append({"optimizer": name, "update_ms": 1e3 * seconds,
+                 "state_bytes_per_param": state_bytes / n,
+                 "bytes_per_param": moved / n, "gbps": moved / seconds / GB})
+  adamw = next(r for r in rows if r["optimizer"] == "optax.adamw")
+  for r in rows:
+    r["ratio_to_adamw"] = r["update_ms"] / adamw["update_ms"]
+    r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
+  return {"copy_gbps": copy_gbps, "num_params": n, "rows": rows}
+
+
+def bench_train_step(*, steps: int, rounds: int) -> dict:
+  """tokens/s of the ``small`` train step, SkewAdam vs AdamW, alternating rounds."""
+  from experiments import train as train_lib  # pylint: disable=import-outside-toplevel
+  runs = {}
+  for name in ("skewadam", "adamw"):
+    run = train_lib.Run(train_lib.TrainConfig(preset="small", optimizer=name, steps=1000))
+    params, state = run.init_state()
+    batches = [run.dataset.batch_at(i) for i in range(steps)]
+    runs[name] = [run, params, state, batches, []]
+  tokens = runs["skewadam"][3][0][0].size * steps
+  for _ in range(rounds + 1):  # the first round compiles and warms up
+    for name, entry in runs.items():
+      run, params, state, batches, times = entry
+      t0 = time.perf_counter()
+      for inputs, targets in batches:
+        params, state, metrics = run.train_step(params, state, inputs, targets)
+      jax.block_until_ready(params)
+      times.append(time.perf_counter() - t0)
+      entry[1], entry[2] = params, state
+  result = {name: tokens / statistics.median(entry[4][1:]) for name, entry in runs.items()}
+  return {"tokens_per_s": result, "ratio_skewadam_to_adamw": result["skewadam"] / result["adamw"],
+          "steps_per_round": steps, "rounds": rounds}
+
+
+def markdown(update: dict, train: dict | None) -> str:
+  lines = [f"update benchmark: {update['num_params']:,} parameters (fp32), copy bandwidth "
+           f"{update['copy_gbps']:.1f} GB/s", "",
+           "| optimizer | update (ms) | × AdamW | state B/param | bytes moved / param | GB/s "
+           "| of copy bw |", "|---|---|---|---|---|---|---|"]
+  for r in update["rows"]:
+    lines.append(f"| {r['optimizer']} | {r['update_ms']:.1f} | {r['ratio_to_adamw']:.2f} "
+                 f"| {r['state_bytes_per_param']:.2f} | {r['bytes_per_param']:.1f} "
+                 f"| {r['gbps']:.1f} | {100 * r['fraction_of_copy_bw']:.0f} % |")
+  if train:
+    t = train["tokens_per_s"]
+    lines += ["", f"train step (small): SkewAdam {t['skewadam']:,.0f} tokens/s, AdamW "
+              f"{t['adamw']:,.0f} tokens/s, ratio {train['ratio_skewadam_to_adamw']:.3f}"]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m experiments.bench",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--layers", type=int, default=6)
+  parser.add_argument("--experts", type=int, default=16)
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--skip-train-step", action="store_true")
+  parser.add_argument("--train-steps", type=int, default=10)
+  parser.add_argument("--train-rounds", type=int, default=3)
+  parser.add_argument("--json", action="store_true")
+  args = parser.parse_args(argv)
+  if args.repeats < 1 or args.layers < 1 or args.experts < 1:
+    print("error: --repeats, --layers and --experts must be >= 1", file=sys.stderr)
+    return 2
+  update = bench_updates(moe_tree(layers=args.layers, experts=args.experts),
+                         repeats=args.repeats)
+  train = None if args.skip_train_step else bench_train_step(
+      steps=args.train_steps, rounds=args.train_rounds)
+  if args.json:
+    print(json.dumps({**update, "train_step": train}, indent=2))
+  else:
+    print(markdown(update, train))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

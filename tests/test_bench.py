@@ -1,0 +1,42 @@
+"""The benchmark's bookkeeping: rows, bytes moved per parameter, JSON shape."""
+
+import json
+
+import pytest
+
+from experiments import bench
+
+
+@pytest.fixture(scope="module")
+def result():
+  params = bench.moe_tree(layers=1, experts=2, d_model=16, d_ff=24, vocab=64)
+  return bench.bench_updates(params, repeats=1)
+
+
+def test_rows_cover_every_optimizer_with_ratios(result):
+  names = [r["optimizer"] for r in result["rows"]]
+  assert names == list(bench.optimizers_to_bench())
+  adamw = next(r for r in result["rows"] if r["optimizer"] == "optax.adamw")
+  assert adamw["ratio_to_adamw"] == 1.0
+  for r in result["rows"]:
+    assert r["update_ms"] > 0 and r["gbps"] > 0 and r["ratio_to_adamw"] > 0
+  assert result["copy_gbps"] > 0
+
+
+def test_bytes_moved_per_parameter(result):
+  rows = {r["optimizer"]: r for r in result["rows"]}
+  # fp32: read params, grads, m, v (16 B); write params, m, v (12 B). The step
+  # count adds a few bytes over the whole tree.
+  assert rows["optax.adamw"]["bytes_per_param"] == pytest.approx(28.0, abs=1e-2)
+  assert rows["optax.adamw"]["state_bytes_per_param"] == pytest.approx(8.0, abs=1e-2)
+  # SkewAdam moves less than AdamW whenever its state is smaller.
+  assert rows["skewadam (default)"]["bytes_per_param"] < rows["optax.adamw"]["bytes_per_param"]
+
+
+def test_command_json(capsys):
+  assert bench.main(["--layers", "1", "--experts", "2", "--repeats", "1", "--skip-train-step",
+                     "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert {"copy_gbps", "rows", "num_params"} <= set(out)
+  assert {"optimizer", "update_ms", "bytes_per_param", "gbps", "ratio_to_adamw"} <= set(
+      out["rows"][0])
