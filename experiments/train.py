@@ -7,12 +7,24 @@ folder), split into whole held-out works, tokenised with a byte-level BPE traine
 locally and cached (``experiments/data.py``). The train step is one jitted
 function (forward, backward, optimizer update) with the parameters and optimizer
 state donated. Batch ``s`` is a pure function of ``(seed, s)``, so a resumed run
-sees exactly the batches of an uninterrupted one.
+sees exactly the batches of an uninterrupted one. ``--mesh data=4,expert=2``
+shards the same step over a device mesh and ``--coordinator-address``,
+``--num-processes``, ``--process-id`` join several processes
+(``experiments/parallel.py``).
 
 Outputs under ``--out``: ``metrics.jsonl`` (one JSON object per logged step and
 per evaluation), ``ckpt/`` (orbax checkpoints every ``--ckpt-every`` steps and at
 the end), and ``summary.json`` (validation perplexity, the unigram baseline,
 tokens/s, optimizer-state bytes by tier), which is also printed.
+
+Faults (README, "Failure behaviour"): bad flags, data or checkpoints print one
+line ``error: ...`` and exit 2; ``--skip-nonfinite K`` skips steps with
+NaN/Inf gradients (``optax.apply_if_finite`` around the whole optimizer) and
+stops, exit 3, after K in a row; without it a non-finite loss stops the run
+(exit 3). A checkpoint of non-finite parameters is never written, a damaged
+latest checkpoint falls back to the previous one, and ``--param-dtype
+bfloat16 --stochastic-rounding`` applies updates to bf16 parameters with
+unbiased stochastic rounding (bits from ``(seed, step)``, so resume is exact).
 """
 
 from __future__ import annotations
@@ -20,13 +32,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
 import pathlib
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +51,19 @@ import models
 import skewadam_jax
 from experiments import data as data_lib
 from experiments import optimizers
+from experiments import parallel
 from experiments.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+class TrainingError(RuntimeError):
+  """The run cannot go on: its gradients or parameters stopped being finite.
+
+  Raised before any checkpoint of the bad state is written; the command
+  prints it as one line and exits with status 3.
+  """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +93,16 @@ class TrainConfig:
   expert_momentum: str | None = None     # SkewAdam ablations
   backbone_second_moment: str | None = None
   router_second_moment: str | None = None
+  mesh: str | None = None  # SPMD layout, e.g. "data=4,expert=2" (experiments/parallel.py)
+  param_dtype: str | None = None         # "float32" | "bfloat16"; None: the preset's
+  stochastic_rounding: bool = False      # round updates to bf16 params stochastically
+  skip_nonfinite: int = 0                # skip NaN/Inf-gradient steps, stop after this
+                                         # many in a row (0: off, stop at a NaN loss)
 
   def model_config(self) -> models.ModelConfig:
     overrides = {"moe_impl": self.moe_impl} if self.moe_impl else {}
+    if self.param_dtype:
+      overrides["param_dtype"] = self.param_dtype
     return models.get_preset(self.preset, **overrides)
 
   def skewadam_tiers(self) -> dict:
@@ -90,7 +120,19 @@ class TrainConfig:
     if self.optimizer not in optimizers.OPTIMIZERS:
       raise ValueError(f"unknown optimizer {self.optimizer!r}; "
                        f"choose from {', '.join(optimizers.OPTIMIZERS)}")
+    # Checked before the model config, which would raise a TypeError from
+    # deep inside numpy for an unknown dtype name.
+    if self.param_dtype not in (None, *PARAM_DTYPES):
+      raise ValueError(f"--param-dtype must be one of {', '.join(PARAM_DTYPES)}, "
+                       f"got {self.param_dtype!r}")
     self.model_config()  # unknown preset / moe_impl
+    if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
+      raise ValueError("--stochastic-rounding needs bfloat16 parameters "
+                       "(--param-dtype bfloat16)")
+    if self.skip_nonfinite < 0:
+      raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
+    if not 0 < self.val_fraction < 1:
+      raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
     for name in ("steps", "batch_size", "eval_batches", "eval_every",
                  "ckpt_every", "log_every"):
       if getattr(self, name) < 1:
@@ -98,34 +140,56 @@ class TrainConfig:
                          f"got {getattr(self, name)}")
     if self.seq_len is not None and self.seq_len < 1:
       raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
-    if self.lr is not None and not self.lr > 0:
+    if self.lr is not None and not self.lr > 0:  # also rejects NaN
       raise ValueError(f"--lr must be > 0, got {self.lr}")
-    if self.weight_decay < 0 or self.clip_norm < 0 or self.warmup_steps < 0:
-      raise ValueError("--weight-decay, --clip-norm and --warmup-steps must be >= 0")
+    if self.lr is not None and not math.isfinite(self.lr):
+      raise ValueError(f"--lr must be finite, got {self.lr}")
+    for name in ("weight_decay", "clip_norm", "warmup_steps"):
+      if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, "
+                         f"got {getattr(self, name)}")
     if self.seed < 0:
       raise ValueError(f"--seed must be >= 0, got {self.seed}")
     skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
+    if self.mesh:
+      parallel.parse_mesh(self.mesh)
 
 
-def make_step_fns(graphdef, rest, tx):
+def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
   """The train and eval step functions (not yet jitted) of a split NNX model.
 
-  ``train_step(params, opt_state, inputs, targets) -> (params, opt_state,
-  metrics)`` runs forward, backward and the optimizer update; the training
-  command jits it with ``donate_argnums=(0, 1)`` and the memory planner
-  compiles exactly this function.
+  ``train_step(params, opt_state, inputs, targets, key=None, grad_scale=None)
+  -> (params, opt_state, metrics)`` runs forward, backward and the optimizer
+  update; the training command jits it with ``donate_argnums=(0, 1)`` and the
+  memory planner compiles exactly this function. With
+  ``stochastic_rounding`` the update is applied by
+  :func:`skewadam_jax.apply_updates_stochastic` and ``key`` (a PRNG key,
+  a new one every step) is required. ``grad_scale`` is fault injection for
+  tests: the gradients are multiplied by it (NaN poisons the step). When
+  ``tx`` is ``optax.apply_if_finite(...)`` the metrics also hold its
+  ``notfinite_count`` and ``total_notfinite``.
   ``eval_step(params, inputs, targets) -> (sum of token cross-entropies,
   token count)``.
   """
   def loss(params, inputs, targets):
     return models.lm_loss(nnx.merge(graphdef, params, rest), inputs, targets)
 
-  def train_step(params, opt_state, inputs, targets):
+  def train_step(params, opt_state, inputs, targets, key=None, grad_scale=None):
     (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, inputs, targets)
+    if grad_scale is not None:  # in each leaf's dtype, so bf16 grads stay bf16
+      grads = jax.tree.map(lambda g: g * jnp.asarray(grad_scale, g.dtype), grads)
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    if stochastic_rounding:
+      if key is None:
+        raise ValueError("train_step with stochastic rounding needs key=")
+      params = skewadam_jax.apply_updates_stochastic(params, updates, key)
+    else:
+      params = optax.apply_updates(params, updates)
     metrics = {k: v for k, v in metrics.items() if k != "expert_fraction"}
     metrics["grad_norm"] = optax.tree.norm(grads)
+    if isinstance(opt_state, optax.ApplyIfFiniteState):
+      metrics["notfinite_count"] = opt_state.notfinite_count
+      metrics["total_notfinite"] = opt_state.total_notfinite
     return params, opt_state, metrics
 
   def eval_step(params, inputs, targets):
@@ -150,11 +214,23 @@ class Run:
     self.data = data_lib.prepare_data(
         config.data, vocab_size=self.model_config.vocab_size, cache_dir=cache_dir,
         val_fraction=config.val_fraction)
-    self.dataset = data_lib.TokenDataset(
-        self.data.train_tokens, seq_len=seq_len, batch_size=config.batch_size,
-        seed=config.seed)
-    self.eval_set = data_lib.eval_batches(
-        self.data.val_tokens, seq_len, config.batch_size, max_batches=config.eval_batches)
+    corpus = self.data.info["path"]
+    try:
+      self.dataset = data_lib.TokenDataset(
+          self.data.train_tokens, seq_len=seq_len, batch_size=config.batch_size,
+          seed=config.seed)
+    except data_lib.DataError as err:
+      raise data_lib.DataError(f"{corpus}: training split too short: {err}") from None
+    try:
+      self.eval_set = data_lib.eval_batches(
+          self.data.val_tokens, seq_len, config.batch_size, max_batches=config.eval_batches)
+    except data_lib.DataError as err:
+      raise data_lib.DataError(f"{corpus}: validation split too short: {err}") from None
+    # Checked on resume: the same path with other text would silently give
+    # other batches than the checkpointed run saw.
+    self.data_fingerprint = hashlib.sha256(
+        self.data.train_tokens.tobytes() + b"|" + self.data.val_tokens.tobytes()
+    ).hexdigest()[:16]
 
     model = models.Transformer(self.model_config, rngs=nnx.Rngs(config.seed))
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -165,11 +241,28 @@ class Run:
         config.optimizer, learning_rate=self.schedule,
         weight_decay=config.weight_decay, clip_norm=config.clip_norm,
         skewadam_tiers=config.skewadam_tiers())
-    train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx)
-    self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
-    self.eval_step = jax.jit(eval_step)
+    if config.skip_nonfinite:
+      # Outermost, so a skipped step leaves every inner state untouched
+      # (moments, step count, schedule): as if the batch had not been drawn.
+      # optax applies the (K+1)-th bad update; the loop stops at the K-th.
+      self.tx = optax.apply_if_finite(self.tx, max_consecutive_errors=config.skip_nonfinite)
+    # Stochastic-rounding bits are a pure function of (seed, step), like the
+    # batches, so a resumed run rounds exactly as an uninterrupted one.
+    self.rounding_key = jax.random.fold_in(jax.random.key(config.seed), 0x5352)
+    train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx,
+                                          stochastic_rounding=config.stochastic_rounding)
+    self.spmd = None
+    if config.mesh:  # the same steps, sharded over a device mesh
+      mesh = parallel.make_mesh(**parallel.parse_mesh(config.mesh))
+      self.spmd = parallel.spmd_steps(mesh, self.tx, self.initial_params, train_step, eval_step)
+      self.train_step, self.eval_step = self.spmd.train_step, self.spmd.eval_step
+    else:
+      self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
+      self.eval_step = jax.jit(eval_step)
 
   def init_state(self):
+    if self.spmd is not None:
+      return self.spmd.init(self.initial_params)
     params = jax.tree.map(jnp.copy, self.initial_params)
     return params, self.tx.init(params)
 
@@ -190,27 +283,66 @@ def _summary_bytes(state) -> dict[str, int]:
 def _read_metrics(path: pathlib.Path, upto_step: int) -> list[dict]:
   if not path.exists():
     return []
-  records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  return [r for r in records if r.get("step", 0) <= upto_step]
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except ValueError:  # a line cut short by a crash: drop it, keep the run
+      continue
+  return [r for r in records if isinstance(r, dict) and r.get("step", 0) <= upto_step]
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+  """Writes a temporary file and renames it: a crash leaves the old or the new file."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(finite)) if finite else jnp.array(True)
 
 
 def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False,
           stop_after: int | None = None, cache_dir: str | os.PathLike | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, nan_grad_steps: Collection[int] = (),
+          run: "Run | None" = None) -> dict:
   """Trains, evaluates and checkpoints one run; returns its summary.
 
   Args:
     config: the run.
     out_dir: folder for ``metrics.jsonl``, ``ckpt/`` and ``summary.json``.
-    resume: continue from the latest checkpoint in ``out_dir/ckpt`` (its
-      configuration must match ``config``); without it an existing checkpoint
+    resume: continue from the latest usable checkpoint in ``out_dir/ckpt``
+      (its configuration and data must match; a damaged latest checkpoint is
+      reported and the previous one used); without it an existing checkpoint
       is an error, so a run is never overwritten by accident.
     stop_after: stop (with a checkpoint) after this many steps in total, as an
       interruption would; ``--resume`` continues the same schedule.
     cache_dir: tokenizer cache (default ``<repo>/.cache/tokenizers``).
     progress: show a progress bar on stderr.
+    nan_grad_steps: fault injection for tests: the gradients of these
+      (0-based) steps are multiplied by NaN.
+    run: a :class:`Run` of this ``config`` to reuse (its steps are already
+      compiled: several runs in one process, e.g. tests, compile once).
+
+  Returns:
+    The summary (as ``summary.json``, plus ``"_params"`` and
+    ``"_opt_state"``, the final state).
+
+  Raises:
+    ValueError: bad configuration or data, or a checkpoint of another run
+      (``CheckpointError``), or no usable checkpoint.
+    TrainingError: the gradients were non-finite ``--skip-nonfinite`` times in
+      a row, or (without it) the loss or the parameters became non-finite.
+      The bad state is not checkpointed.
   """
-  run = Run(config, cache_dir=cache_dir)
+  if run is None:
+    run = Run(config, cache_dir=cache_dir)
+  elif run.config != config:
+    raise ValueError("train(run=...) was built for another configuration")
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   ckpt = Checkpointer(out / "ckpt")
@@ -219,19 +351,39 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
   start = 0
   latest = ckpt.latest_step()
   if latest is not None and not resume:
+    ckpt.close()
     raise ValueError(f"{out / 'ckpt'} already holds a checkpoint (step {latest}); "
                      "pass --resume to continue it or choose another --out")
   if resume and latest is not None:
-    (params, opt_state), _ = ckpt.restore(latest, (params, opt_state), expect=config_dict)
-    start = latest
+    try:
+      start, (params, opt_state), _ = ckpt.restore_latest(
+          (params, opt_state), expect=config_dict,
+          expect_meta={"data_fingerprint": run.data_fingerprint})
+    except BaseException:
+      ckpt.close()
+      raise
   metrics_path = out / "metrics.jsonl"
   records = _read_metrics(metrics_path, start) if resume else []
-  metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  _write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
 
   tokens_per_step = config.batch_size * run.seq_len
   end = config.steps if stop_after is None else min(stop_after, config.steps)
-  meta = {"config": config_dict, "num_leaves": len(jax.tree.leaves((params, opt_state)))}
+  meta = {"config": config_dict, "data_fingerprint": run.data_fingerprint}
+  skip = config.skip_nonfinite
+  poisoned = frozenset(nan_grad_steps)
   bar = None
+
+  def last_checkpoint() -> str:
+    step = ckpt.latest_step()
+    return ("no checkpoint was saved" if step is None
+            else f"the last checkpoint is step {step} in {ckpt.directory}")
+
+  def stop(message: str):
+    if bar is not None:
+      bar.close()
+    ckpt.close()
+    raise TrainingError(message)
+
   if progress:
     from tqdm import tqdm
     bar = tqdm(total=config.steps, initial=start, desc=f"{config.optimizer}",
@@ -241,17 +393,44 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
   with metrics_path.open("a") as log:
     for step in range(start, end):
       inputs, targets = run.dataset.batch_at(step)
-      params, opt_state, metrics = run.train_step(params, opt_state, inputs, targets)
+      extra = {}
+      if config.stochastic_rounding:
+        extra["key"] = jax.random.fold_in(run.rounding_key, step)
+      if poisoned:
+        extra["grad_scale"] = np.float32(np.nan if step in poisoned else 1.0)
+      params, opt_state, metrics = run.train_step(params, opt_state, inputs, targets, **extra)
       done = step + 1
+      if skip:
+        # A scalar read (host sync) every step: optax applies the (K+1)-th
+        # consecutive bad update, so the loop must see the K-th and stop.
+        consecutive = int(metrics["notfinite_count"])
+        if consecutive:
+          log.write(json.dumps({"step": done, "skipped_nonfinite": True,
+                                "consecutive_nonfinite": consecutive,
+                                "nonfinite_skips": int(metrics["total_notfinite"])}) + "\n")
+          log.flush()
+        if consecutive >= skip:
+          stop(f"step {done}: {consecutive} consecutive steps with non-finite gradients "
+               f"(--skip-nonfinite {skip}); stopped without applying or saving them; "
+               f"{last_checkpoint()}")
       if done % config.log_every == 0 or done == end:
         last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if skip:
+          last.pop("notfinite_count")
+          last["nonfinite_skips"] = int(last.pop("total_notfinite"))
+        elif not math.isfinite(last["loss"]):
+          stop(f"step {done}: the loss is {last['loss']}, so the parameters are no longer "
+               f"finite; nothing more is saved and {last_checkpoint()} "
+               "(--skip-nonfinite K skips steps with non-finite gradients)")
         now = time.perf_counter()
         if t_last is not None:
           timed_seconds += now - t_last
           timed_steps += done - t_prev
         t_last, t_prev = now, done
         tok_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else 0.0
-        record = {"step": done, "lr": float(run.schedule(step)), "tokens": done * tokens_per_step,
+        # Skipped steps do not advance the optimizer's schedule count.
+        lr_step = step - last.get("nonfinite_skips", 0)
+        record = {"step": done, "lr": float(run.schedule(lr_step)), "tokens": done * tokens_per_step,
                   "tokens_per_s": tok_s, **last}
         log.write(json.dumps(record) + "\n")
         log.flush()
@@ -264,6 +443,9 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
         log.flush()
         t_last = None  # evaluation time is not training time
       if done % config.ckpt_every == 0 or done == end:
+        if not bool(_all_finite(params)):  # never replace a good checkpoint by a NaN one
+          stop(f"step {done}: the parameters are not finite; not saving a checkpoint; "
+               f"{last_checkpoint()}")
         ckpt.save(done, (params, opt_state), meta)
         t_last = None
       if bar is not None:
@@ -281,6 +463,8 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
       "opt_state_bytes_by_tier": _summary_bytes(opt_state),
       "vocab_size": run.data.vocab_size,
       "val_works": run.data.info["val_names"],
+      # From the optimizer state, so it counts the skips before a resume too.
+      "nonfinite_skips": int(opt_state.total_notfinite) if skip else 0,
       "config": config_dict,
   }
   if end == config.steps:
@@ -288,14 +472,22 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
     with metrics_path.open("a") as log:
       log.write(json.dumps({"step": end, "tokens": end * tokens_per_step,
                             "val_ppl": summary["val_ppl"]}) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_atomically(out / "summary.json", json.dumps(summary, indent=2) + "\n")
   ckpt.close()
   summary["_params"] = params
+  summary["_opt_state"] = opt_state
   return summary
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+  """Reports a bad flag as a ValueError, so ``main`` prints it as one line."""
+
+  def error(self, message):
+    raise ValueError(message)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-  parser = argparse.ArgumentParser(
+  parser = _ArgumentParser(
       prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
   defaults = TrainConfig()
   parser.add_argument("--preset", default=defaults.preset, help="model preset (models.PRESETS)")
@@ -305,6 +497,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
     if field.name in ("preset", "optimizer"):
       continue
     flag = "--" + field.name.replace("_", "-")
+    if str(field.type) == "bool":
+      parser.add_argument(flag, action="store_true", default=field.default)
+      continue
     kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
     parser.add_argument(flag, type=kind, default=field.default)
   parser.add_argument("--out", default=None, help="output folder (default runs/PRESET-OPTIMIZER)")
@@ -312,6 +507,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
   parser.add_argument("--stop-after", type=int, default=None,
                       help="stop after this many steps, keeping the schedule of --steps")
   parser.add_argument("--no-progress", action="store_true")
+  parallel.add_distributed_flags(parser)
   args = parser.parse_args(argv)
   values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
   return TrainConfig(**values), args
@@ -320,19 +516,29 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse
 def main(argv: Sequence[str] | None = None) -> int:
   try:
     config, args = parse_args(argv)
+    # Before anything touches a device: joins the other processes, if any.
+    parallel.initialize_distributed(args.coordinator_address, args.num_processes,
+                                    args.process_id)
     out = args.out or str(ROOT / "runs" / f"{config.preset}-{config.optimizer}")
     summary = train(config, out, resume=args.resume, stop_after=args.stop_after,
                     progress=not args.no_progress)
   except (ValueError, OSError) as err:  # bad flags, data or checkpoints: one line
     print(f"error: {err}", file=sys.stderr)
     return 2
+  except TrainingError as err:  # the run diverged; its last good checkpoint is kept
+    print(f"error: {err}", file=sys.stderr)
+    return 3
   summary.pop("_params")
+  summary.pop("_opt_state")
   summary.pop("config")
   print(json.dumps(summary, indent=2))
   if "val_ppl" in summary:
+    # None when too few steps were timed (e.g. a resume with one log step left).
+    speed = summary["tokens_per_s"]
+    speed = f"{speed:,.0f} tokens/s" if speed else "tokens/s not measured"
     print(f"validation perplexity {summary['val_ppl']:.2f} "
           f"(unigram baseline {summary['unigram_ppl']:.2f}) after {summary['steps']} steps, "
-          f"{summary['tokens_per_s']:,.0f} tokens/s, optimizer state "
+          f"{speed}, optimizer state "
           f"{summary['opt_state_bytes_by_tier']['total'] / 1e6:.2f} MB", file=sys.stderr)
   return 0
 

@@ -8,6 +8,8 @@ The public API:
 * :func:`moe_param_labels` — the default path-regex labeller.
 * :func:`state_bytes_by_tier`, :func:`abstract_state_bytes_by_tier`,
   :func:`tree_bytes` — exact state accounting.
+* :func:`apply_updates_stochastic`, :func:`stochastic_round_to_bf16` —
+  unbiased stochastic rounding of updates to bfloat16 parameters.
 * :func:`state_shardings` — optimizer-state shardings from parameter shardings.
 """
 
@@ -24,6 +26,8 @@ from skewadam_jax.labels import EXPERT
 from skewadam_jax.labels import ROUTER
 from skewadam_jax.labels import TIERS
 from skewadam_jax.labels import moe_param_labels
+from skewadam_jax.rounding import apply_updates_stochastic
+from skewadam_jax.rounding import stochastic_round_to_bf16
 from skewadam_jax.sharding import state_shardings
 from skewadam_jax.transform import DEFAULT_BACKBONE
 from skewadam_jax.transform import DEFAULT_EXPERT
@@ -41,7 +45,8 @@ __all__ = [
     "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER",
     "ENCODINGS", "EXPERT", "FactoredMoment", "Int8Momentum", "ROUTER",
     "ScaleBySkewAdamState", "SignMomentum", "TIERS", "TierConfig", "TierState",
-    "abstract_state_bytes_by_tier", "get_encoding", "matrices_only",
-    "moe_param_labels", "scale_by_skewadam", "skewadam", "state_bytes_by_tier",
-    "state_shardings", "tree_bytes",
+    "abstract_state_bytes_by_tier", "apply_updates_stochastic", "get_encoding",
+    "matrices_only", "moe_param_labels", "scale_by_skewadam", "skewadam",
+    "state_bytes_by_tier", "state_shardings", "stochastic_round_to_bf16",
+    "tree_bytes",
 ]

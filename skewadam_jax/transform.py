@@ -66,6 +66,12 @@ class TierConfig:
   int8_block_size: int = 256
 
   def __post_init__(self):
+    # Checked for every encoding, so a bad value fails where it is written
+    # rather than later, when someone switches the tier to "int8".
+    if (isinstance(self.int8_block_size, bool)
+        or not isinstance(self.int8_block_size, int) or self.int8_block_size <= 0):
+      raise ValueError(f"int8_block_size must be a positive int, got "
+                       f"{self.int8_block_size!r}.")
     encodings.get_encoding(self.momentum, block_size=self.int8_block_size)
     if self.second_moment not in SECOND_MOMENT_FORMS:
       raise ValueError(
@@ -371,6 +377,19 @@ def skewadam(
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
 
+  Raises:
+    ValueError: for ``learning_rate < 0`` or ``weight_decay < 0`` (or NaN),
+      and everything :func:`scale_by_skewadam` rejects.
+
+  Non-finite gradients: wrap the whole chain in
+  ``optax.apply_if_finite(tx, max_consecutive_errors=K)``. A step whose
+  gradients hold a NaN or Inf then returns zero updates and leaves the inner
+  state (moments, step count, schedule) untouched, exactly as if the batch
+  had been skipped. Note that after ``K`` consecutive bad steps optax applies
+  the next one anyway: stop the loop yourself when ``state.notfinite_count``
+  reaches ``K``, before that happens (``state.total_notfinite`` counts all
+  skips).
+
   Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> import skewadam_jax
@@ -384,8 +403,11 @@ def skewadam(
     >>> updates, state = tx.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  if isinstance(weight_decay, numbers.Real) and weight_decay < 0:
+  # `not x >= 0` also rejects NaN. Schedules and injected arrays are not checked.
+  if isinstance(weight_decay, numbers.Real) and not weight_decay >= 0:
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
+  if isinstance(learning_rate, numbers.Real) and not learning_rate >= 0:
+    raise ValueError(f"learning_rate must be >= 0, got {learning_rate}.")
   return optax.chain(
       scale_by_skewadam(
           b1=b1, b2=b2, eps=eps, eps_root=eps_root, param_labels=param_labels,

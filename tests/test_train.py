@@ -53,12 +53,11 @@ def test_a_few_steps_lower_the_loss(tmp_path, corpus, cache_dir, optimizer):
 def test_resume_matches_uninterrupted_run(tmp_path, corpus, cache_dir):
   config = train_lib.TrainConfig(optimizer="skewadam", steps=8, data=corpus,
                                  ckpt_every=100, **TINY)
-  full = train_lib.train(config, tmp_path / "full", cache_dir=cache_dir, progress=False)
-  first = train_lib.train(config, tmp_path / "split", stop_after=4, cache_dir=cache_dir,
-                          progress=False)
+  run = train_lib.Run(config, cache_dir=cache_dir)  # compiled once for the three runs
+  full = train_lib.train(config, tmp_path / "full", progress=False, run=run)
+  first = train_lib.train(config, tmp_path / "split", stop_after=4, progress=False, run=run)
   assert not first["completed"] and "val_ppl" not in first
-  resumed = train_lib.train(config, tmp_path / "split", resume=True, cache_dir=cache_dir,
-                            progress=False)
+  resumed = train_lib.train(config, tmp_path / "split", resume=True, progress=False, run=run)
   np.testing.assert_allclose(read_losses(tmp_path / "split"), read_losses(tmp_path / "full"),
                              rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),

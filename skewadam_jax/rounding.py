@@ -1,0 +1,116 @@
+"""Stochastic rounding for applying updates to bfloat16 parameters.
+
+With bf16 parameters and no fp32 master copy, ``optax.apply_updates`` computes
+``p + u`` and rounds it to the nearest bf16. bf16 keeps 8 significant bits, so
+an update smaller than half a unit in the last place (2⁻⁹·|p| to 2⁻⁸·|p|
+depending on where ``p`` sits in its binade; 0.0039 for ``p = 1``) is lost
+entirely, every step: norm scales near 1 and large weights stop training.
+
+Stochastic rounding (SR) rounds ``x = p + u`` (computed in fp32) up or down to
+one of its two bf16 neighbours ``lo ≤ x ≤ hi`` with
+
+    P(hi) = (x − lo) / (hi − lo),        so  E[SR(x)] = x  exactly,
+
+and a tiny update moves the parameter by one bf16 step with a small
+probability instead of never. The implementation is the usual bit trick: a
+bf16 number is the upper 16 bits of an fp32 number, and the lower 16 bits of
+``x``'s fp32 pattern are exactly ``(x − lo) / (hi − lo)`` in units of 2⁻¹⁶
+(the fp32 grid is uniform between two bf16 neighbours, also across a binade
+boundary and for subnormals). Adding 16 uniform random bits to the pattern
+carries into the upper half with that probability; truncating the lower half
+then gives ``lo`` or ``hi``. The sign is a separate bit, so the magnitude is
+rounded and the rule holds for negative values too.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import skewadam_jax
+  >>> params = {"w": jnp.ones((4,), jnp.bfloat16), "b": jnp.zeros((4,))}
+  >>> updates = {"w": jnp.full((4,), 1e-3), "b": jnp.full((4,), 1e-3)}
+  >>> new = skewadam_jax.apply_updates_stochastic(
+  ...     params, updates, jax.random.key(0))
+  >>> new["w"].dtype, new["b"].dtype
+  (dtype(bfloat16), dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+_LOW_BITS = 16  # fp32 has 16 more mantissa bits than bf16.
+_HIGH_MASK = np.uint32(0xFFFF0000)  # numpy: no device work at import
+
+
+def stochastic_round_to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+  """Rounds ``x`` to bfloat16 up or down at random, unbiased.
+
+  Args:
+    x: values to round; computed and rounded as float32.
+    key: a PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``).
+
+  Returns:
+    A bfloat16 array of ``x``'s shape. Each element is one of the two bf16
+    neighbours of ``float32(x)``, the upper one with probability
+    ``(x − lo) / (hi − lo)``; values that are already bf16, infinities and
+    NaNs are returned unchanged (as bf16). Values above the largest bf16
+    round to it or to ``±inf``, as their neighbours are.
+  """
+  x32 = jnp.asarray(x, jnp.float32)
+  bits = jax.lax.bitcast_convert_type(x32, jnp.uint32)
+  noise = jax.random.bits(key, x32.shape, jnp.uint32) >> (32 - _LOW_BITS)
+  rounded = jax.lax.bitcast_convert_type((bits + noise) & _HIGH_MASK, jnp.float32)
+  # A NaN whose payload sits in the low bits would truncate to ±inf: keep
+  # non-finite values as they are. The cast below is exact for `rounded`.
+  return jnp.where(jnp.isfinite(x32), rounded, x32).astype(jnp.bfloat16)
+
+
+def apply_updates_stochastic(params, updates, key: jax.Array):
+  """Applies updates as ``optax.apply_updates``, rounding bf16 leaves stochastically.
+
+  For a bfloat16 leaf, ``p + u`` is computed in float32 and rounded to bf16
+  with :func:`stochastic_round_to_bf16`, so that ``E[new p] = p + u`` and
+  updates below bf16's resolution still move the parameter on average. Every
+  other leaf (fp32, fp16, ...) is updated exactly as by
+  ``optax.apply_updates``: ``(p + u).astype(p.dtype)``. ``None`` leaves stay
+  ``None``.
+
+  Each bf16 leaf draws its own random bits from ``key``; use a new key every
+  step (e.g. ``jax.random.fold_in(key, step)``, which also makes a resumed run
+  draw the same bits as an uninterrupted one).
+
+  Args:
+    params: a tree of parameters.
+    updates: a tree of updates with the structure and shapes of ``params``.
+    key: a PRNG key.
+
+  Returns:
+    The updated parameters, with the structure, shapes and dtypes of
+    ``params``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import skewadam_jax
+    >>> params = {"w": jnp.ones((8, 4), jnp.bfloat16)}
+    >>> tx = skewadam_jax.skewadam(1e-4)
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = skewadam_jax.apply_updates_stochastic(
+    ...     params, updates, jax.random.fold_in(jax.random.key(0), 0))
+  """
+  is_none = lambda x: x is None
+  leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
+  update_leaves = treedef.flatten_up_to(updates)
+  keys = jax.random.split(key, max(1, len(leaves)))
+  out = []
+  for p, u, k in zip(leaves, update_leaves, keys):
+    if p is None:
+      out.append(None)
+    elif jnp.asarray(p).dtype == jnp.bfloat16:
+      out.append(stochastic_round_to_bf16(
+          jnp.asarray(p, jnp.float32) + jnp.asarray(u, jnp.float32), k))
+    else:
+      out.append(optax.apply_updates(p, u))
+  return jax.tree.unflatten(treedef, out)

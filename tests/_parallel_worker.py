@@ -1,0 +1,145 @@
+"""Checks on 8 simulated CPU devices, run by tests/test_parallel.py in a subprocess.
+
+The device count is fixed when JAX starts, so this runs in its own process
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints one JSON
+object; the test asserts on it. With a path argument it also saves the
+single-device SkewAdam parameters there (.npz), the reference for the
+two-process test. Standalone:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_parallel_worker.py
+"""
+
+import collections
+import json
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import models  # noqa: E402
+import skewadam_jax  # noqa: E402
+from experiments import optimizers  # noqa: E402
+from experiments import parallel  # noqa: E402
+from experiments import train as train_lib  # noqa: E402
+
+# The run `python -m experiments.parallel --preset tiny --compute-dtype float32
+# --steps 2 --batch-size 8 --seq-len 32 --lr 1e-3 --seed 0` makes.
+STEPS, BATCH, SEQ, LR, SEED = 2, 8, 32, 1e-3, 0
+
+
+def placement_errors(tree, shardings) -> list[str]:
+  """Leaves not laid out as ``shardings`` says, on all 8 devices."""
+  errors = []
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  for (path, x), want in zip(leaves, jax.tree.leaves(shardings)):
+    name = jax.tree_util.keystr(path)
+    if not x.sharding.is_equivalent_to(want, x.ndim):
+      errors.append(f"{name}: {x.sharding.spec} != {want.spec}")
+    shard_shapes = {tuple(s.data.shape) for s in x.addressable_shards}
+    if len(x.addressable_shards) != 8 or shard_shapes != {want.shard_shape(x.shape)}:
+      errors.append(f"{name}: shards {shard_shapes} on {len(x.addressable_shards)} "
+                    f"devices, want {want.shard_shape(x.shape)}")
+  return errors
+
+
+def tier_bytes_per_device(state, tier: str) -> tuple[dict, int]:
+  """Bytes of ``tier``'s state arrays held by each device, and in total."""
+  per_device, total = collections.Counter(), 0
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if skewadam_jax.labels.label_path(skewadam_jax.labels.path_to_str(path)) != tier:
+      continue
+    total += x.nbytes
+    for shard in x.addressable_shards:
+      per_device[shard.device.id] += shard.data.nbytes
+  return dict(per_device), total
+
+
+def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> dict:
+  """The sharded step against the single-device step, on `tiny` in float32."""
+  # float32 compute: bf16 matmuls round partial sums differently once split.
+  config = models.get_preset("tiny", compute_dtype="float32")
+  graphdef, params, rest = nnx.split(
+      models.Transformer(config, rngs=nnx.Rngs(SEED)), nnx.Param, ...)
+  params = nnx.as_pure(params)
+  tx = optimizers.make_optimizer(optimizer, learning_rate=LR)
+  train_step, _ = train_lib.make_step_fns(graphdef, rest, tx)
+  batches = [parallel._synthetic_batch(s, BATCH, SEQ, config.vocab_size, SEED)  # pylint: disable=protected-access
+             for s in range(STEPS)]
+
+  step = jax.jit(train_step)
+  ref_params, ref_state = jax.tree.map(jnp.copy, params), tx.init(params)
+  ref_losses = []
+  for inputs, targets in batches:
+    ref_params, ref_state, metrics = step(ref_params, ref_state, inputs, targets)
+    ref_losses.append(float(metrics["loss"]))
+  if save_reference:
+    np.savez(save_reference, **{skewadam_jax.labels.path_to_str(k): np.asarray(v) for k, v
+                                in jax.tree_util.tree_flatten_with_path(ref_params)[0]})
+
+  mesh = parallel.make_mesh(data=2, expert=4)
+  spmd = parallel.spmd_steps(mesh, tx, params, train_step, fsdp=fsdp)
+  want_state = skewadam_jax.state_shardings(tx, params, spmd.shardings.params)
+  sharded_params, state = spmd.init(params)
+  errors = [f"init: {e}" for e in placement_errors(state, want_state)]
+  errors += [f"init params: {e}" for e in placement_errors(sharded_params, spmd.shardings.params)]
+  init_expert = tier_bytes_per_device(state, "expert")
+  losses = []
+  for inputs, targets in batches:
+    sharded_params, state, metrics = spmd.train_step(sharded_params, state, inputs, targets)
+    losses.append(float(metrics["loss"]))
+  errors += [f"update: {e}" for e in placement_errors(state, want_state)]
+  errors += [f"update params: {e}" for e in placement_errors(sharded_params, spmd.shardings.params)]
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                       sharded_params, ref_params)
+  per_device, total = tier_bytes_per_device(state, "expert")
+  return {
+      "losses": losses, "ref_losses": ref_losses,
+      "max_param_diff": max(jax.tree.leaves(diffs)),
+      "placement_errors": errors,
+      "expert_bytes_per_device": per_device, "expert_bytes_total": total,
+      "expert_bytes_per_device_at_init": init_expert[0],
+      "helper_bytes_per_device": parallel.device_state_bytes_by_tier(state),
+      "state_bytes": skewadam_jax.state_bytes_by_tier(state),
+  }
+
+
+def train_command(tmp: pathlib.Path) -> dict:
+  """`experiments.train` with --mesh: runs, evaluates, checkpoints sharded arrays."""
+  corpus = tmp / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng(0)
+  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
+  for name in ("first", "second", "third"):
+    (corpus / f"{name}.txt").write_text(
+        "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(200)))
+  config = train_lib.TrainConfig(
+      preset="tiny", mesh="data=2,expert=4", steps=3, batch_size=4, seq_len=16,
+      eval_batches=1, warmup_steps=1, data=str(corpus))
+  summary = train_lib.train(config, tmp / "run", cache_dir=tmp / "tok", progress=False)
+  expert = summary["_params"]["layers"]["moe"]["experts"]["w_up"]
+  return {"val_ppl": summary["val_ppl"], "train_loss": summary["train_loss"],
+          "w_up_spec": [str(a) for a in expert.sharding.spec],
+          "checkpoints": sorted(p.name for p in (tmp / "run" / "ckpt").iterdir())}
+
+
+def main() -> None:
+  assert jax.device_count() == 8, jax.devices()
+  with tempfile.TemporaryDirectory() as tmp:
+    result = {
+        "skewadam": compare("skewadam", fsdp=False,
+                            save_reference=sys.argv[1] if len(sys.argv) > 1 else None),
+        "adamw_fsdp": compare("adamw", fsdp=True),
+        "train": train_command(pathlib.Path(tmp)),
+    }
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,349 @@
+"""experiments/parallel.py: mesh, shardings, the sharded step, several processes.
+
+Layout rules are checked in this process on an ``AbstractMesh`` (no devices
+needed). The checks that need devices run in subprocesses, because the CPU
+device count is fixed when JAX starts: 8 simulated devices
+(tests/_parallel_worker.py) and two processes joined by ``jax.distributed`` on
+loopback (``python -m experiments.parallel``, the README's command).
+"""
+
+import doctest
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+import models
+import skewadam_jax
+from experiments import optimizers
+from experiments import parallel
+from experiments import train as train_lib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MESH = AbstractMesh((2, 4), ("data", "expert"))
+EXPERTS = "layers/moe/experts"
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+  model = nnx.eval_shape(lambda: models.Transformer(models.get_preset("tiny"),
+                                                    rngs=nnx.Rngs(0)))
+  return nnx.as_pure(nnx.state(model, nnx.Param))
+
+
+def by_path(tree):
+  return {skewadam_jax.labels.path_to_str(p): x
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def stripped(spec):
+  spec = list(spec)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return tuple(spec)
+
+
+def subprocess_env(**extra):
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                      "JAX_PROCESS_ID")}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
+  return env
+
+
+# --------------------------------------------------------------------------
+# In this process.
+# --------------------------------------------------------------------------
+
+
+def test_parse_mesh():
+  assert parallel.parse_mesh("data=4,expert=2") == {"data": 4, "expert": 2}
+  assert parallel.parse_mesh(" expert=8 ") == {"expert": 8}
+  assert parallel.parse_mesh("") == {}
+  for bad, message in [("model=2", "bad --mesh entry 'model=2'"),
+                       ("data4", "bad --mesh entry 'data4'"),
+                       ("data=0", "data must be a positive integer, got '0'"),
+                       ("data=x", "data must be a positive integer, got 'x'"),
+                       ("data=2,data=2", "names 'data' twice")]:
+    with pytest.raises(ValueError, match=message):
+      parallel.parse_mesh(bad)
+
+
+def test_make_mesh_uses_every_device():
+  mesh = parallel.make_mesh()
+  assert dict(mesh.shape) == {"data": jax.device_count(), "expert": 1}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  with pytest.raises(ValueError, match="needs 16 devices, but there are 1.*"
+                     "xla_force_host_platform_device_count"):
+    parallel.make_mesh(data=4, expert=4, devices=jax.devices()[:1])
+
+
+def test_param_shardings_split_experts_on_their_expert_axis(tiny_params):
+  specs = {k: stripped(s.spec) for k, s in
+           by_path(parallel.param_shardings(tiny_params, MESH)).items()}
+  for name in ("w_gate", "w_up", "w_down"):  # [L, E, d_in, d_out]
+    assert specs.pop(f"{EXPERTS}/{name}") == (None, "expert")
+  assert set(specs.values()) == {()}  # backbone and router replicated
+
+
+def test_param_shardings_fsdp(tiny_params):
+  shapes = {k: x.shape for k, x in by_path(tiny_params).items()}
+  specs = {k: stripped(s.spec) for k, s in
+           by_path(parallel.param_shardings(tiny_params, MESH, fsdp=True)).items()}
+  assert shapes["embed/embedding"] == (256, 32)
+  assert specs["embed/embedding"] == ("data",)
+  assert specs["unembed/kernel"] == (None, "data")
+  assert shapes[f"{EXPERTS}/w_down"] == (2, 4, 48, 32)
+  assert specs[f"{EXPERTS}/w_down"] == (None, "expert", "data")
+  assert specs["final_norm/scale"] == ()  # vectors stay replicated
+  for name, spec in specs.items():  # never the scanned layer axis
+    if name.startswith("layers/") and len(shapes[name]) >= 3:
+      assert spec[:1] in ((), (None,)), name
+
+
+def test_param_shardings_need_experts_to_divide(tiny_params):
+  with pytest.raises(ValueError, match="'layers/moe/experts/w_down' has 4 experts.*"
+                     "expert=3"):
+    parallel.param_shardings(tiny_params, AbstractMesh((1, 3), ("data", "expert")))
+
+
+@pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
+def test_every_optimizer_gets_valid_state_shardings(tiny_params, optimizer):
+  tx = optimizers.make_optimizer(optimizer, learning_rate=1e-3)
+  shardings = parallel.train_shardings(MESH, tx, tiny_params, fsdp=True)
+  state = jax.eval_shape(tx.init, tiny_params)
+  for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings.opt_state)):
+    s.shard_shape(x.shape)  # raises unless every split axis divides evenly
+  per_device = parallel.device_state_bytes_by_tier(state, shardings.opt_state)
+  whole = skewadam_jax.state_bytes_by_tier(state)
+  assert 0 < per_device["expert"] <= whole["expert"] // 4
+
+
+def test_device_state_bytes_split_the_expert_tier(tiny_params):
+  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3)
+  shardings = parallel.train_shardings(MESH, tx, tiny_params)
+  state = jax.eval_shape(tx.init, tiny_params)
+  per_device = parallel.device_state_bytes_by_tier(state, shardings.opt_state)
+  whole = skewadam_jax.state_bytes_by_tier(state)
+  assert per_device["expert"] * 4 == whole["expert"]
+  assert per_device["backbone"] == whole["backbone"]  # replicated
+  assert shardings.batch.spec == P("data")
+  assert shardings.replicated.spec == P()
+
+
+def test_put_places_and_keeps():
+  mesh = parallel.make_mesh()
+  sharding = NamedSharding(mesh, P("data"))
+  x = parallel.put(np.arange(4.0), sharding)
+  assert x.sharding == sharding
+  assert parallel.put(x, sharding) is x  # already there: no copy
+  y = parallel.put(jnp.arange(4.0), NamedSharding(mesh, P()))
+  assert y.sharding.spec == P()
+
+
+def test_put_moves_typed_prng_keys():
+  mesh = parallel.make_mesh()
+  key = parallel.put(jax.random.key(0), NamedSharding(mesh, P()))
+  assert key.sharding.spec == P()
+  assert jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0))
+
+
+def test_spmd_steps_take_host_batches_and_keyword_arguments():
+  tx = optax.sgd(0.5)
+
+  def train_step(params, opt_state, inputs, targets, scale=1.0):
+    loss = lambda p: scale * jnp.sum(p["w"]) * jnp.mean(inputs + targets)
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss(params)}
+
+  params = {"w": jnp.ones((4, 2))}
+  spmd = parallel.spmd_steps(parallel.make_mesh(), tx, params, train_step)
+  p, state = spmd.init(params)
+  ones = np.ones((2, 3), np.int32)
+  p, state, metrics = spmd.train_step(p, state, ones, ones, scale=np.float32(2.0))
+  assert float(metrics["loss"]) == 32.0  # 2 * 8 * 2
+  p, state, metrics = spmd.train_step(p, state, ones, ones)  # default scale
+  assert float(metrics["loss"]) == -16.0  # w = 1 - 0.5 * (2 * 2) = -1
+  np.testing.assert_array_equal(params["w"], 1.0)  # init copied, never donated
+  assert p["w"].sharding == spmd.shardings.params["w"]
+
+
+def test_initialize_distributed_is_a_no_op_for_one_process():
+  assert parallel.initialize_distributed(environ={}) is False
+  assert parallel.initialize_distributed(
+      environ={"JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) is False
+
+
+@pytest.mark.parametrize("args, environ, message", [
+    ((None, 2, 0), {}, "need --coordinator-address too"),
+    (("localhost:1234", None, None), {}, "need --num-processes, --process-id too"),
+    ((None, None, None), {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"},
+     "JAX_NUM_PROCESSES='two' is not a valid int"),
+    (("localhost:1234", 2, 2), {}, r"--process-id must be in \[0, 2\), got 2"),
+])
+def test_initialize_distributed_rejects_partial_settings(args, environ, message):
+  with pytest.raises(ValueError, match=message):
+    parallel.initialize_distributed(*args, environ=environ)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "data=0"], "--mesh 'data=0': data must be a positive integer"),
+    (["--num-processes", "2", "--process-id", "0"], "need --coordinator-address too"),
+])
+def test_train_command_rejects_bad_parallel_flags(capsys, monkeypatch, flags, message):
+  for var in (parallel.ENV_COORDINATOR, parallel.ENV_NUM_PROCESSES, parallel.ENV_PROCESS_ID):
+    monkeypatch.delenv(var, raising=False)
+  argv = ["--preset", "tiny", "--no-progress", "--out", "/tmp/unused",
+          "--data", str(ROOT / "data" / "README.md")] + flags
+  assert train_lib.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_docstring_examples_run():
+  result = doctest.testmod(parallel)
+  assert result.attempted > 0 and result.failed == 0
+
+
+# --------------------------------------------------------------------------
+# 8 simulated devices.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_device_params(tmp_path_factory):
+  """Where the worker saves its single-device SkewAdam parameters."""
+  return tmp_path_factory.mktemp("reference") / "one.npz"
+
+
+@pytest.fixture(scope="module")
+def eight_devices(one_device_params):
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "tests" / "_parallel_worker.py"), str(one_device_params)],
+      env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["skewadam", "adamw_fsdp"])
+def test_sharded_step_matches_one_device(eight_devices, case):
+  result = eight_devices[case]
+  np.testing.assert_allclose(result["losses"], result["ref_losses"], rtol=1e-6)
+  # Two steps at lr 1e-3. Adam divides each gradient by its own magnitude, so
+  # a rounding difference in a near-zero gradient (sums split across devices)
+  # moves that element by a visible fraction of one step: allow 5 % of it.
+  assert result["max_param_diff"] < 5e-5, result["max_param_diff"]
+
+
+@pytest.mark.parametrize("case", ["skewadam", "adamw_fsdp"])
+def test_state_is_laid_out_as_the_helper_says(eight_devices, case):
+  result = eight_devices[case]
+  # Init (jit with out_shardings) and two updates: every array on all 8
+  # devices with the helper's sharding and shard shapes.
+  assert result["placement_errors"] == []
+  # Each device holds 1/n of the expert tier: n = 4 experts-ways, and with
+  # FSDP also 2 data-ways.
+  ways = 8 if case == "adamw_fsdp" else 4
+  total = result["expert_bytes_total"]
+  assert total > 0
+  for when in ("expert_bytes_per_device_at_init", "expert_bytes_per_device"):
+    assert len(result[when]) == 8
+    assert set(result[when].values()) == {total // ways}, (when, result[when])
+  # The abstract per-device count agrees with the live shards.
+  assert result["helper_bytes_per_device"]["expert"] == total // ways
+
+
+def test_train_command_with_a_mesh(eight_devices):
+  result = eight_devices["train"]
+  assert np.isfinite(result["val_ppl"]) and np.isfinite(result["train_loss"])
+  assert result["w_up_spec"] == ["None", "expert", "None", "None"]
+  assert result["checkpoints"] == ["3"]
+
+
+# --------------------------------------------------------------------------
+# Two processes on loopback.
+# --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def json_lines(stdout: str) -> list[dict]:
+  # gloo also writes its connection notices to stdout.
+  return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def run_together(commands, tmp_path, timeout=240, **popen):
+  """Runs the commands at once; the first failure stops the others.
+
+  Returns each one's stdout. A process whose peer died would otherwise wait
+  for it until jax.distributed's own timeout.
+  """
+  logs = [(open(tmp_path / f"{i}.out", "w+"), open(tmp_path / f"{i}.err", "w+"))
+          for i in range(len(commands))]
+  procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, **popen)
+           for cmd, (out, err) in zip(commands, logs)]
+  deadline = time.monotonic() + timeout
+  try:
+    while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+           and not any(p.poll() for p in procs)):
+      time.sleep(0.2)
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  outputs, failures = [], []
+  for i, (proc, (out, err)) in enumerate(zip(procs, logs)):
+    out.seek(0)
+    err.seek(0)
+    outputs.append(out.read())
+    if proc.returncode:  # negative: killed here, after a peer failed or timed out
+      failures.append(f"process {i} exited {proc.returncode}:\n{err.read()[-3000:]}")
+    out.close()
+    err.close()
+  assert not failures, "\n".join(failures)
+  return outputs
+
+
+def test_two_processes_match_one(tmp_path, eight_devices, one_device_params):
+  # The worker's single-device reference run: same preset, optimizer and batches.
+  address = f"127.0.0.1:{_free_port()}"
+  commands = [
+      [sys.executable, "-m", "experiments.parallel", "--preset", "tiny",
+       "--compute-dtype", "float32", "--steps", "2", "--batch-size", "8",
+       "--seq-len", "32", "--lr", "1e-3", "--seed", "0", "--json",
+       "--mesh", "data=2,expert=2", "--save-params", str(tmp_path / "two.npz"),
+       "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i)]
+      for i in range(2)]
+  outputs = run_together(
+      commands, tmp_path, cwd=ROOT,
+      env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+  assert json_lines(outputs[1]) == []  # only process 0 reports
+  [result] = json_lines(outputs[0])
+  assert result["processes"] == 2 and result["devices"] == 4
+  assert result["mesh"] == {"data": 2, "expert": 2}
+  np.testing.assert_allclose(result["losses"], eight_devices["skewadam"]["ref_losses"],
+                             rtol=1e-6)
+  assert result["state_bytes_per_device"]["expert"] * 2 == result["state_bytes"]["expert"]
+  with np.load(tmp_path / "two.npz") as two_params, np.load(one_device_params) as one_params:
+    assert sorted(two_params) == sorted(one_params)
+    for name in one_params:
+      np.testing.assert_allclose(two_params[name], one_params[name], rtol=0, atol=5e-5,
+                                 err_msg=name)
