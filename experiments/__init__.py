@@ -14,7 +14,10 @@ def _default_to_cpu_without_gpu() -> None:
   """
   if "JAX_PLATFORMS" in os.environ:
     return
-  has_cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  try:
+    has_cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins package at all
+    has_cuda_plugin = False
   has_nvidia_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
   has_tpu = importlib.util.find_spec("libtpu") is not None
   if has_cuda_plugin and not has_nvidia_gpu and not has_tpu:

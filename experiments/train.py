@@ -363,8 +363,13 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
       ckpt.close()
       raise
   metrics_path = out / "metrics.jsonl"
-  records = _read_metrics(metrics_path, start) if resume else []
-  _write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
+  # In a multi-process run every process trains (and saves checkpoints jointly),
+  # but only process 0 writes the logs, the summary and the progress bar.
+  is_chief = jax.process_index() == 0
+  if is_chief:
+    records = _read_metrics(metrics_path, start) if resume else []
+    _write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
+  log_path = metrics_path if is_chief else pathlib.Path(os.devnull)
 
   tokens_per_step = config.batch_size * run.seq_len
   end = config.steps if stop_after is None else min(stop_after, config.steps)
@@ -384,13 +389,13 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
     ckpt.close()
     raise TrainingError(message)
 
-  if progress:
+  if progress and is_chief:
     from tqdm import tqdm
     bar = tqdm(total=config.steps, initial=start, desc=f"{config.optimizer}",
                dynamic_ncols=True, file=sys.stderr)
   timed_steps, timed_seconds, t_last = 0, 0.0, None
   last = {}
-  with metrics_path.open("a") as log:
+  with log_path.open("a") as log:
     for step in range(start, end):
       inputs, targets = run.dataset.batch_at(step)
       extra = {}
@@ -469,10 +474,11 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
   }
   if end == config.steps:
     summary["val_ppl"] = run.evaluate(params)
-    with metrics_path.open("a") as log:
+    with log_path.open("a") as log:
       log.write(json.dumps({"step": end, "tokens": end * tokens_per_step,
                             "val_ppl": summary["val_ppl"]}) + "\n")
-    _write_atomically(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if is_chief:
+      _write_atomically(out / "summary.json", json.dumps(summary, indent=2) + "\n")
   ckpt.close()
   summary["_params"] = params
   summary["_opt_state"] = opt_state
