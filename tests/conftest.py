@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 # Backbone, router and expert leaves, with 3-D and 4-D ([L, E, d_in, d_out]) banks.
@@ -47,3 +48,21 @@ def params():
 def grad_seq():
   """25 steps of gradients with different scales per step."""
   return [make_tree(100 + i, scale=0.1 * (1 + i % 3)) for i in range(25)]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+  """A small generated corpus of three 'works': tokenizer training is instant."""
+  root = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
+  for name in ("first", "second", "third"):
+    text = "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(300))
+    (root / f"{name}.txt").write_text(text)
+  return str(root)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+  """A tokenizer cache shared by the tests that train on `corpus`."""
+  return tmp_path_factory.mktemp("tokenizers")

@@ -32,22 +32,6 @@ TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 12)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("corpus")
-  rng = np.random.default_rng(0)
-  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
-  for name in ("first", "second", "third"):
-    text = "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(300))
-    (root / f"{name}.txt").write_text(text)
-  return str(root)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("tokenizers")
-
-
 def assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   jax.tree.map(np.testing.assert_array_equal, a, b)

@@ -13,23 +13,6 @@ TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1
             warmup_steps=2)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-  """A small generated corpus of two 'works' keeps tokenizer training instant."""
-  root = tmp_path_factory.mktemp("corpus")
-  rng = np.random.default_rng(0)
-  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
-  for name in ("first", "second", "third"):
-    text = "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(300))
-    (root / f"{name}.txt").write_text(text)
-  return str(root)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp("tokenizers")
-
-
 def read_losses(out):
   return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
           if "loss" in r]
