@@ -7,7 +7,9 @@ Protocol, for every optimizer (and every SkewAdam configuration given with
 ``--skewadam-configs``):
 
 1. learning-rate sweep: ``--sweep-steps`` steps at each rate of a log grid
-   (by default the optimizer's default rate × {1/3, 1, 3}), seed 0;
+   (by default the optimizer's default rate × {1/3, 1, 3}), seed 0; while the
+   best rate is at an edge of the grid, the grid grows by one point in that
+   direction (at most twice);
 2. the best rate by validation perplexity, trained for ``--steps`` steps with
    every seed of ``--seeds``.
 
@@ -77,20 +79,37 @@ def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, **overrides)
 def compare(entries: Sequence[tuple[str, dict]], *, base: train_lib.TrainConfig,
             out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
-            cache_dir=None, log=print) -> list[dict]:
+            max_extensions: int = 2, cache_dir=None, log=print) -> list[dict]:
   """Runs the protocol for ``entries`` = [(optimizer, TrainConfig overrides)]."""
   out_dir = pathlib.Path(out_dir)
   rows = []
   for optimizer, overrides in entries:
     label = optimizer + "".join(f"-{v}" for v in overrides.values())
     sweep = []
-    for lr in lr_grid(optimizer, lr_factors):
+
+    def try_lr(lr):
       result = _run(base, out_dir / "runs" / f"{label}-sweep-lr{lr:.2e}", cache_dir,
                     optimizer=optimizer, lr=lr, steps=sweep_steps, seed=seeds[0],
                     warmup_steps=max(1, sweep_steps // 10), **overrides)
       sweep.append({"lr": lr, "val_ppl": result["val_ppl"]})
+      sweep.sort(key=lambda r: r["lr"])
       log(f"{label}: sweep lr {lr:.2e} -> val ppl {result['val_ppl']:.2f}")
-    best = min(sweep, key=lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf)
+
+    score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
+    for lr in lr_grid(optimizer, lr_factors):
+      try_lr(lr)
+    # A best rate at the edge of the grid is not a tuned rate: extend the grid
+    # (by the grid's own step) in that direction, a bounded number of times.
+    step = (max(lr_factors) / min(lr_factors)) ** (1 / max(1, len(lr_factors) - 1))
+    for _ in range(max_extensions if len(lr_factors) > 1 else 0):
+      best = min(sweep, key=score)
+      if best is sweep[-1]:
+        try_lr(best["lr"] * step)
+      elif best is sweep[0]:
+        try_lr(best["lr"] / step)
+      else:
+        break
+    best = min(sweep, key=score)
     finals = [_run(base, out_dir / "runs" / f"{label}-seed{seed}", cache_dir,
                    optimizer=optimizer, lr=best["lr"], steps=steps, seed=seed,
                    warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]

@@ -20,7 +20,7 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
     for key in ("optimizer", "config", "lr", "seeds", "val_ppl_mean", "val_ppl_std",
                 "opt_state_bytes_small", "opt_state_bytes_6p78b", "step_time_ratio_to_adamw"):
       assert key in r, key
-    assert len(r["sweep"]) == 3 and r["lr"] in [s["lr"] for s in r["sweep"]]
+    assert 3 <= len(r["sweep"]) <= 5 and r["lr"] in [s["lr"] for s in r["sweep"]]
     assert r["lr"] == min(r["sweep"], key=lambda s: s["val_ppl"])["lr"]
     assert len(r["val_ppl_by_seed"]) == 2
   assert rows[0]["step_time_ratio_to_adamw"] == pytest.approx(1.0)
@@ -43,3 +43,20 @@ def test_bad_configuration_is_one_line(capsys):
   assert compare.main(["--skewadam-configs", "experts=int8"]) == 2
   err = capsys.readouterr().err
   assert "unknown optimizer 'sgd'" in err and "bad SkewAdam configuration 'experts=int8'" in err
+
+
+def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
+  # Validation perplexity falls with the learning rate up to 9x the default:
+  # the grid {1/3, 1, 3} must grow upwards until the optimum is inside it.
+  def fake_run(base, out, cache_dir, *, lr, steps, seed, **overrides):
+    del base, out, cache_dir, steps, seed, overrides
+    x = lr / compare.optimizers.DEFAULT_LR["adamw"]
+    return {"val_ppl": 100 + (x - 9) ** 2, "tokens_per_s": 1.0, "opt_state_bytes": 1,
+            "curve": []}
+  monkeypatch.setattr(compare, "_run", fake_run)
+  monkeypatch.setattr(compare.state_bytes, "state_bytes", lambda *a, **k: {"total": 1})
+  [row] = compare.compare([("adamw", {})], base=compare.train_lib.TrainConfig(),
+                          out_dir=tmp_path, steps=2, sweep_steps=1, seeds=(0,), log=lambda m: None)
+  factors = [round(s["lr"] / compare.optimizers.DEFAULT_LR["adamw"], 6) for s in row["sweep"]]
+  assert factors == [round(1 / 3, 6), 1, 3, 9, 27]
+  assert row["lr"] == pytest.approx(9 * compare.optimizers.DEFAULT_LR["adamw"])
