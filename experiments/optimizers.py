@@ -31,7 +31,8 @@ import skewadam_jax
 
 OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor")
 
-# Defaults per optimizer, from the small-scale sweep (see the README).
+# Starting learning rates: the centre of the comparison's sweep grid (not yet
+# tuned; experiments.compare sweeps around them).
 DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
               "adafactor": 3e-3}
 
