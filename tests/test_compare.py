@@ -8,14 +8,14 @@ from experiments import compare
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
-  argv = ["--preset", "tiny", "--optimizers", "adamw,skewadam", "--skewadam-configs",
+  argv = ["--preset", "tiny", "--optimizers", "adamw", "--skewadam-configs",
           "expert=int8", "--steps", "6", "--sweep-steps", "3", "--seeds", "0,1",
           "--batch-size", "4", "--data", corpus, "--out", str(tmp_path / "cmp"), "--quick"]
   monkeypatch.setattr(compare.train_lib, "train", _with_cache(compare.train_lib.train, cache_dir))
   assert compare.main(argv) == 0
   rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
   assert [(r["optimizer"], r["config"]) for r in rows] == [
-      ("adamw", "default"), ("skewadam", "default"), ("skewadam", {"expert_momentum": "int8"})]
+      ("adamw", "default"), ("skewadam", {"expert_momentum": "int8"})]
   for r in rows:
     for key in ("optimizer", "config", "lr", "seeds", "val_ppl_mean", "val_ppl_std",
                 "opt_state_bytes_small", "opt_state_bytes_6p78b", "step_time_ratio_to_adamw"):
@@ -24,9 +24,9 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
     assert r["lr"] == min(r["sweep"], key=lambda s: s["val_ppl"])["lr"]
     assert len(r["val_ppl_by_seed"]) == 2
   assert rows[0]["step_time_ratio_to_adamw"] == pytest.approx(1.0)
-  # SkewAdam's state at moe-6.78b is a small fraction of AdamW's fp32 state.
-  assert rows[1]["opt_state_bytes_6p78b"] < rows[0]["opt_state_bytes_6p78b"] / 20
-  assert (tmp_path / "cmp" / "compare.md").read_text().count("\n") == 5
+  # SkewAdam's state at moe-6.78b (int8 experts: 8.1 GB) is a fraction of AdamW's 54.2 GB.
+  assert rows[1]["opt_state_bytes_6p78b"] < rows[0]["opt_state_bytes_6p78b"] / 5
+  assert (tmp_path / "cmp" / "compare.md").read_text().count("\n") == 4
   for name in ("val_ppl.png", "state_bytes.png"):
     assert (tmp_path / "cmp" / name).stat().st_size > 1000
 
