@@ -152,6 +152,28 @@ def bench_train_step(*, steps: int, rounds: int) -> dict:
           "steps_per_round": steps, "rounds": rounds}
 
 
+def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> dict:
+  """XLA temp bytes of the optimizer update alone (update + apply), per optimizer.
+
+  Compiled for ``target`` without a device, as the memory planner does; the
+  parameters (bf16), gradients and optimizer state are donated, so the temp
+  is what the update needs beyond its inputs and outputs.
+  """
+  from experiments import memory  # pylint: disable=import-outside-toplevel
+  _, _, params, _ = memory.abstract_model(preset, jnp.bfloat16)
+  sharding, warning = memory._target_sharding(target)  # pylint: disable=protected-access
+  place = lambda t: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
+  rows = {}
+  for name in ("skewadam", "adamw"):
+    tx = memory.make_tx(name)
+    state = jax.eval_shape(tx.init, params)
+    compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1, 2)).lower(
+        place(params), place(state), place(params)).compile()
+    rows[name] = int(compiled.memory_analysis().temp_size_in_bytes)
+  return {"preset": preset, "target": target, "warning": warning, "temp_bytes": rows}
+
+
 def markdown(update: dict, train: dict | None) -> str:
   lines = [f"update benchmark: {update['num_params']:,} parameters (fp32), copy bandwidth "
            f"{update['copy_gbps']:.1f} GB/s", "",
@@ -178,7 +200,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--train-steps", type=int, default=10)
   parser.add_argument("--train-rounds", type=int, default=3)
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--update-temp", action="store_true",
+                      help="only report the XLA temp bytes of the update alone for moe-6.78b "
+                           "on the A100-40GB target")
   args = parser.parse_args(argv)
+  if args.update_temp:
+    result = update_temp_bytes()
+    print(json.dumps(result, indent=2) if args.json else "\n".join(
+        [f"update alone, {result['preset']} (bf16 params), XLA temp on {result['target']}:"]
+        + [f"  {k}: {v / GB:.2f} GB" for k, v in result["temp_bytes"].items()]
+        + ([f"  warning: {result['warning']}"] if result["warning"] else [])))
+    return 0
   if args.repeats < 1 or args.layers < 1 or args.experts < 1:
     print("error: --repeats, --layers and --experts must be >= 1", file=sys.stderr)
     return 2

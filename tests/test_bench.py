@@ -40,3 +40,11 @@ def test_command_json(capsys):
   assert {"copy_gbps", "rows", "num_params"} <= set(out)
   assert {"optimizer", "update_ms", "bytes_per_param", "gbps", "ratio_to_adamw"} <= set(
       out["rows"][0])
+
+
+def test_update_temp_bytes_on_tiny():
+  from experiments import memory
+  result = bench.update_temp_bytes("tiny")
+  assert set(result["temp_bytes"]) == {"skewadam", "adamw"}
+  assert all(isinstance(v, int) and v >= 0 for v in result["temp_bytes"].values())
+  assert (result["warning"] is None) == memory.gpu_compile_available("a100-40gb")
