@@ -162,8 +162,7 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   from experiments import memory  # pylint: disable=import-outside-toplevel
   _, _, params, _ = memory.abstract_model(preset, jnp.bfloat16)
   sharding, warning = memory._target_sharding(target)  # pylint: disable=protected-access
-  place = lambda t: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
+  place = lambda t: memory.with_sharding(t, sharding)
   rows = {}
   for name in ("skewadam", "adamw"):
     tx = memory.make_tx(name)

@@ -63,12 +63,11 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
       model = models.Transformer(config, rngs=nnx.Rngs(0))
       return nnx.as_pure(nnx.state(model, nnx.Param))
 
-    abstract = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+    _, graphdef, _, rest = memory_lib.abstract_model(preset, jnp.bfloat16)
     params = init_params()
     tx = memory_lib.make_tx(optimizer)
     opt_state = jax.jit(tx.init)(params)
-    train_step, _ = train_lib.make_step_fns(graphdef, nnx.as_pure(rest), tx)
+    train_step, _ = train_lib.make_step_fns(graphdef, rest, tx)
     step = jax.jit(train_step, donate_argnums=(0, 1))
     key = jax.random.PRNGKey(0)
     times = []

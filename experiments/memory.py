@@ -49,6 +49,7 @@ from flax import nnx
 import models
 import skewadam_jax
 from experiments import optimizers
+from experiments import state_bytes
 from experiments import train as train_lib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"
@@ -93,11 +94,8 @@ def gpu_compile_available(target: str = "a100-40gb") -> bool:
 
 
 def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
-  """(model config, graphdef, abstract params, abstract rest) without allocating."""
-  config = models.get_preset(preset, param_dtype=param_dtype, **overrides)
-  model = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  return config, graphdef, nnx.as_pure(params), nnx.as_pure(rest)
+  """(model config, graphdef, abstract params, abstract rest); bf16 by default."""
+  return state_bytes.abstract_model(preset, param_dtype, **overrides)
 
 
 def make_tx(optimizer: str, skewadam_tiers: dict | None = None):
@@ -107,7 +105,8 @@ def make_tx(optimizer: str, skewadam_tiers: dict | None = None):
       skewadam_tiers=skewadam_tiers)
 
 
-def _with_sharding(tree, sharding):
+def with_sharding(tree, sharding):
+  """``tree``'s shapes and dtypes as ``ShapeDtypeStruct``s placed with ``sharding``."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
@@ -122,7 +121,7 @@ def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
   sharding, warning = _target_sharding(target)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
   compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
-      _with_sharding(params, sharding), _with_sharding(opt_state, sharding),
+      with_sharding(params, sharding), with_sharding(opt_state, sharding),
       tokens, tokens).compile()
   analysis = compiled.memory_analysis()
   xla = {"argument": int(analysis.argument_size_in_bytes),

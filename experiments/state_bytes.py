@@ -21,14 +21,23 @@ import skewadam_jax
 from experiments import optimizers
 
 
+def abstract_model(preset: str, param_dtype=None, **overrides):
+  """(model config, graphdef, abstract params, abstract rest), nothing allocated.
+
+  ``param_dtype=None`` keeps the preset's; params and rest are pure
+  ``ShapeDtypeStruct`` trees (no Variables).
+  """
+  if param_dtype is not None:
+    overrides["param_dtype"] = param_dtype
+  config = models.get_preset(preset, **overrides)
+  model = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return config, graphdef, nnx.as_pure(params), nnx.as_pure(rest)
+
+
 def abstract_params(preset: str, dtype=None):
   """The preset's parameters as ``ShapeDtypeStruct``s (pure arrays, no Variables)."""
-  config = models.get_preset(preset)
-  model = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
-  if dtype is not None:
-    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params)
-  return params
+  return abstract_model(preset, dtype)[2]
 
 
 def state_bytes(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
