@@ -3,8 +3,11 @@
     python -m experiments.compare --quick            # a few minutes on 2 CPU cores
     python -m experiments.compare                    # the full protocol
 
+    python -m experiments.compare --ablation --out experiments/results
+                                                     # + SkewAdam's tier ablation
+
 Protocol, for every optimizer (and every SkewAdam configuration given with
-``--skewadam-configs``):
+``--skewadam-configs`` or ``--ablation``):
 
 1. learning-rate sweep: ``--sweep-steps`` steps at each rate of a log grid
    (by default the optimizer's default rate × {1/3, 1, 3}), seed 0; while the
@@ -21,8 +24,17 @@ Outputs in ``--out``: ``compare.json`` (one row per optimizer/configuration:
 ``optimizer, config, lr, seeds, val_ppl_mean, val_ppl_std, val_ppl_by_seed,
 opt_state_bytes_small, opt_state_bytes_6p78b, step_time_ratio_to_adamw,
 sweep``), ``compare.md`` (the table), ``val_ppl.png`` (validation perplexity
-against tokens, seed 0) and ``state_bytes.png`` (optimizer state at
-``moe-6.78b``), and every run's folder under ``runs/``.
+against tokens, seed 0), ``state_bytes.png`` (optimizer state at
+``moe-6.78b``) and, with more than one SkewAdam configuration,
+``frontier.png`` (validation perplexity against state at ``moe-6.78b``); every
+run's folder goes under ``--runs``.
+
+A SkewAdam row's ``config`` is its full tier configuration
+(``backbone_m, backbone_v, expert_m, router_v``), resolved against the
+library's defaults; so the rows, and their folder names, do not change when
+the defaults do (tables mark the row that is the library's default now, and
+``--render`` redraws them from a saved ``compare.json``).
+:func:`choose_default` is the rule that picked the defaults.
 """
 
 from __future__ import annotations
@@ -42,23 +54,84 @@ import jax.numpy as jnp
 from experiments import optimizers
 from experiments import state_bytes
 from experiments import train as train_lib
+from skewadam_jax import transform as skewadam_transform
 
 QUICK = dict(steps=150, sweep_steps=60, seeds=(0, 1), eval_every=50, eval_batches=8)
-FULL = dict(steps=600, sweep_steps=200, seeds=(0, 1), eval_every=100, eval_batches=16)
+FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16)
+
+# Short name → (tier, TierConfig field, TrainConfig field).
+TIER_KEYS = {
+    "backbone_m": ("backbone", "momentum", "backbone_momentum"),
+    "backbone_v": ("backbone", "second_moment", "backbone_second_moment"),
+    "expert_m": ("expert", "momentum", "expert_momentum"),
+    "router_v": ("router", "second_moment", "router_second_moment"),
+}
+
+# The ablation: one tier setting at a time away from REFERENCE (1-bit expert
+# momentum, everything else as in Adam), plus the smallest configuration that
+# keeps momentum in all three tiers.
+REFERENCE = {"backbone_m": "fp32", "backbone_v": "exact", "expert_m": "sign", "router_v": "exact"}
+ABLATION = (
+    [REFERENCE]
+    + [{**REFERENCE, "expert_m": m} for m in ("fp32", "bf16", "int8", "none")]
+    + [{**REFERENCE, "backbone_v": "factored"}, {**REFERENCE, "router_v": "factored"},
+       {**REFERENCE, "backbone_m": "bf16", "backbone_v": "factored"}])
+
+STATE_BUDGET_6P78B = 1.29e9  # the published optimizer state for moe-6.78b
 
 
 def parse_skewadam_config(text: str) -> dict:
-  """``expert=int8,backbone_v=factored,router_v=exact`` → TrainConfig overrides."""
-  keys = {"expert": "expert_momentum", "backbone_v": "backbone_second_moment",
-          "router_v": "router_second_moment"}
+  """``expert_m=int8,backbone_v=factored`` → ``{"expert_m": "int8", ...}``."""
   out = {}
   for part in filter(None, text.split(",")):
     key, _, value = part.partition("=")
-    if key not in keys or not value:
+    if key not in TIER_KEYS or not value:
       raise ValueError(f"bad SkewAdam configuration {text!r}: use "
-                       f"{', '.join(k + '=...' for k in keys)}")
-    out[keys[key]] = value
+                       f"{', '.join(k + '=...' for k in TIER_KEYS)}")
+    out[key] = value
   return out
+
+
+def resolve_config(config: dict) -> dict:
+  """A partial SkewAdam configuration, completed from the library's defaults."""
+  defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
+              "expert": skewadam_transform.DEFAULT_EXPERT,
+              "router": skewadam_transform.DEFAULT_ROUTER}
+  return {key: config.get(key, getattr(defaults[tier], field))
+          for key, (tier, field, _) in TIER_KEYS.items()}
+
+
+def train_overrides(config: dict) -> dict:
+  """A SkewAdam configuration as ``TrainConfig`` fields."""
+  return {TIER_KEYS[key][2]: value for key, value in config.items()}
+
+
+def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> dict | None:
+  """The rule that picks SkewAdam's default from a comparison's rows.
+
+  A configuration *matches* AdamW when its mean validation perplexity is no
+  worse than AdamW's by more than the larger of the two seed spreads (std).
+  Among the configurations whose ``moe-6.78b`` state is at most ``budget``,
+  the best perplexity, if any of them matches AdamW; otherwise the smallest
+  state among those that match; ``None`` if none does (or there is no AdamW row).
+  """
+  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
+  if adamw is None:
+    return None
+  matching = [r for r in rows if r["optimizer"] == "skewadam" and r["val_ppl_mean"]
+              <= adamw["val_ppl_mean"] + max(r["val_ppl_std"], adamw["val_ppl_std"])]
+  within = [r for r in matching if r["opt_state_bytes_6p78b"] <= budget]
+  if within:
+    return min(within, key=lambda r: r["val_ppl_mean"])
+  return min(matching, key=lambda r: r["opt_state_bytes_6p78b"], default=None)
+
+
+def label(row_or_entry) -> str:
+  """``adamw`` or ``skewadam[backbone_m=fp32,...]``: a row's name in tables and plots."""
+  optimizer, config = row_or_entry
+  if not isinstance(config, dict):
+    return optimizer
+  return optimizer + "[" + ",".join(f"{k}={v}" for k, v in config.items()) + "]"
 
 
 def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
@@ -72,28 +145,41 @@ def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, **overrides)
   summary = train_lib.train(config, out, cache_dir=cache_dir, progress=False)
   curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   return {"val_ppl": summary["val_ppl"], "tokens_per_s": summary["tokens_per_s"],
+          "median_step_s": summary.get("median_step_s"),
           "opt_state_bytes": summary["opt_state_bytes_by_tier"]["total"],
           "curve": [(r["tokens"], r["val_ppl"]) for r in curve if "val_ppl" in r]}
 
 
-def compare(entries: Sequence[tuple[str, dict]], *, base: train_lib.TrainConfig,
+def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.TrainConfig,
             out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
             max_extensions: int = 2, cache_dir=None, log=print) -> list[dict]:
-  """Runs the protocol for ``entries`` = [(optimizer, TrainConfig overrides)]."""
+  """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
+
+  SkewAdam configurations are resolved against the defaults and run once
+  each, however many entries name them.
+  """
   out_dir = pathlib.Path(out_dir)
-  rows = []
-  for optimizer, overrides in entries:
-    label = optimizer + "".join(f"-{v}" for v in overrides.values())
+  rows, seen = [], []
+  for optimizer, config in entries:
+    if optimizer == "skewadam":
+      config = resolve_config(config or {})
+    else:
+      config = None
+    if (optimizer, config) in seen:
+      continue
+    seen.append((optimizer, config))
+    overrides = train_overrides(config) if config else {}
+    name = optimizer + "".join(f"-{v}" for v in (config or {}).values())
     sweep = []
 
     def try_lr(lr):
-      result = _run(base, out_dir / "runs" / f"{label}-sweep-lr{lr:.2e}", cache_dir,
+      result = _run(base, out_dir / f"{name}-sweep-lr{lr:.2e}", cache_dir,
                     optimizer=optimizer, lr=lr, steps=sweep_steps, seed=seeds[0],
                     warmup_steps=max(1, sweep_steps // 10), **overrides)
       sweep.append({"lr": lr, "val_ppl": result["val_ppl"]})
       sweep.sort(key=lambda r: r["lr"])
-      log(f"{label}: sweep lr {lr:.2e} -> val ppl {result['val_ppl']:.2f}")
+      log(f"{name}: sweep lr {lr:.2e} -> val ppl {result['val_ppl']:.2f}")
 
     score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
     for lr in lr_grid(optimizer, lr_factors):
@@ -110,13 +196,13 @@ def compare(entries: Sequence[tuple[str, dict]], *, base: train_lib.TrainConfig,
       else:
         break
     best = min(sweep, key=score)
-    finals = [_run(base, out_dir / "runs" / f"{label}-seed{seed}", cache_dir,
+    finals = [_run(base, out_dir / f"{name}-seed{seed}", cache_dir,
                    optimizer=optimizer, lr=best["lr"], steps=steps, seed=seed,
                    warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
     ppls = [f["val_ppl"] for f in finals]
-    tiers = dataclasses.replace(base, **overrides).skewadam_tiers()
+    tiers = dataclasses.replace(base, **overrides).skewadam_tiers()  # pylint: disable=no-member
     rows.append({
-        "optimizer": optimizer, "config": overrides or "default", "lr": best["lr"],
+        "optimizer": optimizer, "config": config or "default", "lr": best["lr"],
         "seeds": list(seeds), "val_ppl_by_seed": ppls,
         "val_ppl_mean": statistics.mean(ppls),
         "val_ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
@@ -124,55 +210,131 @@ def compare(entries: Sequence[tuple[str, dict]], *, base: train_lib.TrainConfig,
         "opt_state_bytes_6p78b": state_bytes.state_bytes(
             "moe-6.78b", optimizer, skewadam_tiers=tiers, param_dtype=jnp.bfloat16)["total"],
         "tokens_per_s": statistics.median(f["tokens_per_s"] or 0.0 for f in finals),
+        "median_step_s": statistics.median(f["median_step_s"] or 0.0 for f in finals),
         "curve_seed0": finals[0]["curve"], "sweep": sweep,
     })
-    log(f"{label}: lr {best['lr']:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
+    log(f"{name}: lr {best['lr']:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
         f"± {rows[-1]['val_ppl_std']:.2f}")
-  adamw = next((r for r in rows if r["optimizer"] == "adamw" and r["config"] == "default"), None)
+  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
   for r in rows:
+    # Medians of per-step times: robust to another process borrowing the cores.
     r["step_time_ratio_to_adamw"] = (
-        adamw["tokens_per_s"] / r["tokens_per_s"] if adamw and r["tokens_per_s"] else None)
+        r["median_step_s"] / adamw["median_step_s"]
+        if adamw and adamw["median_step_s"] and r["median_step_s"] else None)
   return rows
+
+
+def is_default(row: dict) -> bool:
+  """Whether a row is its optimizer's default configuration in the library as it is now."""
+  return not isinstance(row["config"], dict) or row["config"] == resolve_config({})
+
+
+def short_name(row: dict) -> str:
+  """A row's name for plots: SkewAdam configurations by how they differ from REFERENCE."""
+  if row["optimizer"] != "skewadam":
+    return row["optimizer"]
+  diff = [f"{k}={v}" for k, v in row["config"].items() if REFERENCE.get(k) != v]
+  return "skewadam" + (" " + ",".join(diff) if diff else " (reference)") + (
+      " *" if is_default(row) else "")
+
+
+def _config_cell(row: dict, mark_default: bool = True) -> str:
+  if not isinstance(row["config"], dict):
+    return row["config"]
+  cell = ", ".join(f"{k}={v}" for k, v in row["config"].items())
+  return f"**{cell}** (default)" if mark_default and is_default(row) else cell
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
   lines = ["| optimizer | config | lr | val ppl (mean ± std) | state, this preset | state, moe-6.78b "
            "| step time ÷ AdamW |", "|---|---|---|---|---|---|---|"]
   for r in rows:
-    config = r["config"] if isinstance(r["config"], str) else ", ".join(
-        f"{k}={v}" for k, v in r["config"].items())
     ratio = f"{r['step_time_ratio_to_adamw']:.2f}" if r["step_time_ratio_to_adamw"] else "–"
-    lines.append(f"| {r['optimizer']} | {config} | {r['lr']:.2e} | {r['val_ppl_mean']:.2f} ± "
-                 f"{r['val_ppl_std']:.2f} | {r['opt_state_bytes_small'] / 1e6:.2f} MB "
-                 f"| {r['opt_state_bytes_6p78b'] / 1e9:.2f} GB | {ratio} |")
+    lines.append(f"| {r['optimizer']} | {_config_cell(r)} | {r['lr']:.2e} | "
+                 f"{r['val_ppl_mean']:.2f} ± {r['val_ppl_std']:.2f} "
+                 f"| {r['opt_state_bytes_small'] / 1e6:.2f} MB "
+                 f"| {r['opt_state_bytes_6p78b'] / 1e9:.3f} GB | {ratio} |")
   return "\n".join(lines)
+
+
+def choice_text(rows: Sequence[dict]) -> str:
+  """What :func:`choose_default` picks from ``rows``, and why, in one paragraph."""
+  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
+  choice = choose_default(rows)
+  if adamw is None:
+    return "No AdamW row: the default rule needs one."
+  if choice is None:
+    return (f"No SkewAdam configuration matches AdamW's validation perplexity "
+            f"({adamw['val_ppl_mean']:.2f} ± {adamw['val_ppl_std']:.2f}).")
+  within = choice["opt_state_bytes_6p78b"] <= STATE_BUDGET_6P78B
+  return (f"Chosen by `choose_default`: {_config_cell(choice, mark_default=False)}: "
+          f"val ppl {choice['val_ppl_mean']:.2f} ± {choice['val_ppl_std']:.2f} against AdamW's "
+          f"{adamw['val_ppl_mean']:.2f} ± {adamw['val_ppl_std']:.2f} "
+          f"(difference {choice['val_ppl_mean'] - adamw['val_ppl_mean']:+.2f}), "
+          f"state at moe-6.78b {choice['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
+          f"{adamw['opt_state_bytes_6p78b'] / choice['opt_state_bytes_6p78b']:.1f}x less than "
+          f"AdamW's {adamw['opt_state_bytes_6p78b'] / 1e9:.1f} GB"
+          + (f"; the best perplexity within {STATE_BUDGET_6P78B / 1e9:.2f} GB."
+             if within else f"; nothing within {STATE_BUDGET_6P78B / 1e9:.2f} GB matches "
+             "AdamW, so the smallest state that does."))
 
 
 def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  names = [r["optimizer"] + ("" if r["config"] == "default" else " " + ",".join(
-      f"{v}" for v in r["config"].values())) for r in rows]
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  names = [short_name(r) for r in rows]
+  fig, ax = plt.subplots(figsize=(8, 5))
   for name, r in zip(names, rows):
     tokens, ppl = zip(*r["curve_seed0"]) if r["curve_seed0"] else ((), ())
-    ax.plot(tokens, ppl, marker="o", label=name)
+    ax.plot(tokens, ppl, marker="o", markersize=3, label=name)
   ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
          title="Validation perplexity (seed 0)")
-  ax.legend()
+  ax.legend(fontsize=7)
   fig.tight_layout()
-  curves = out_dir / "val_ppl.png"
-  fig.savefig(curves, dpi=120)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  paths = [out_dir / "val_ppl.png"]
+  fig.savefig(paths[-1], dpi=120)
+  fig, ax = plt.subplots(figsize=(8, 5))
   ax.barh(names, [r["opt_state_bytes_6p78b"] / 1e9 for r in rows])
   ax.set(xlabel="optimizer state at moe-6.78b (GB)", xscale="log",
          title="Optimizer state for the 6.78B MoE")
   fig.tight_layout()
-  bars = out_dir / "state_bytes.png"
-  fig.savefig(bars, dpi=120)
+  paths.append(out_dir / "state_bytes.png")
+  fig.savefig(paths[-1], dpi=120)
+  if sum(r["optimizer"] == "skewadam" for r in rows) > 1:
+    paths.append(_plot_frontier(plt, rows, names, out_dir / "frontier.png"))
   plt.close("all")
-  return [curves, bars]
+  return paths
+
+
+def _plot_frontier(plt, rows, names, path):
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for name, r in zip(names, rows):
+    x = r["opt_state_bytes_6p78b"] / 1e9
+    ax.errorbar(x, r["val_ppl_mean"], yerr=r["val_ppl_std"], fmt="o",
+                color="C0" if r["optimizer"] == "skewadam" else "C1")
+    ax.annotate(name, (x, r["val_ppl_mean"]), fontsize=7, xytext=(4, 3),
+                textcoords="offset points")
+  # The frontier: configurations no other one beats on both state and perplexity.
+  frontier, best = [], math.inf
+  for r in sorted(rows, key=lambda r: (r["opt_state_bytes_6p78b"], r["val_ppl_mean"])):
+    if r["val_ppl_mean"] < best:
+      frontier.append(r)
+      best = r["val_ppl_mean"]
+  ax.step([r["opt_state_bytes_6p78b"] / 1e9 for r in frontier],
+          [r["val_ppl_mean"] for r in frontier], where="post", color="C2", label="frontier")
+  ax.axvline(STATE_BUDGET_6P78B / 1e9, color="gray", linestyle="--",
+             label=f"{STATE_BUDGET_6P78B / 1e9:.2f} GB (published)")
+  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
+  if adamw:
+    ax.axhline(adamw["val_ppl_mean"], color="C1", linestyle=":", label="AdamW")
+  ax.set(xlabel="optimizer state at moe-6.78b (GB, log)", xscale="log",
+         ylabel="validation perplexity (mean ± std over seeds)",
+         title="Quality against optimizer memory")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,15 +343,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--preset", default="small")
   parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS))
   parser.add_argument("--skewadam-configs", default="",
-                      help="extra SkewAdam rows, ';'-separated, e.g. 'expert=int8;backbone_v=factored'")
+                      help="extra SkewAdam rows, ';'-separated, e.g. "
+                      "'expert_m=int8;backbone_m=bf16,backbone_v=factored'")
+  parser.add_argument("--ablation", action="store_true",
+                      help="add SkewAdam's tier ablation (compare.ABLATION)")
   parser.add_argument("--quick", action="store_true", help=f"budgets {QUICK}")
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--sweep-steps", type=int, default=None)
   parser.add_argument("--seeds", default=None, help="comma-separated, e.g. 0,1")
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--data", default=None)
-  parser.add_argument("--out", default="runs/compare")
+  parser.add_argument("--out", default="runs/compare", help="compare.json, compare.md, plots")
+  parser.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs)")
+  parser.add_argument("--render", default=None, metavar="COMPARE_JSON",
+                      help="run nothing: redraw the table and plots of a saved compare.json into OUT")
   args = parser.parse_args(argv)
+  if args.render:
+    rows = json.loads(pathlib.Path(args.render).read_text())
+    return _write(rows, pathlib.Path(args.out), write_json=False)
   budget = dict(QUICK if args.quick else FULL)
   if args.steps:
     budget["steps"] = args.steps
@@ -198,27 +369,38 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.seeds:
     budget["seeds"] = tuple(int(s) for s in args.seeds.split(","))
   try:
-    entries = [(name, {}) for name in args.optimizers.split(",")]
+    entries = [(name, None) for name in args.optimizers.split(",")]
     for name, _ in entries:
       if name not in optimizers.OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from "
                          f"{', '.join(optimizers.OPTIMIZERS)}")
     entries += [("skewadam", parse_skewadam_config(c))
                 for c in args.skewadam_configs.split(";") if c]
+    if args.ablation:
+      entries += [("skewadam", c) for c in ABLATION]
+    for _, config in entries:
+      if config:
+        skewadam_transform.scale_by_skewadam(  # unknown encodings fail here, not an hour in
+            **train_lib.TrainConfig(**train_overrides(config)).skewadam_tiers())
     base = train_lib.TrainConfig(preset=args.preset, batch_size=args.batch_size, data=args.data,
                                  eval_every=budget["eval_every"],
                                  eval_batches=budget["eval_batches"], ckpt_every=10**9,
                                  log_every=1)  # every step timed, for the step-time ratio
     out = pathlib.Path(args.out)
-    rows = compare(entries, base=base, out_dir=out, steps=budget["steps"],
-                   sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
+    rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
+                   steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
                    log=lambda m: print(m, file=sys.stderr, flush=True))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
+  return _write(rows, out)
+
+
+def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True) -> int:
   out.mkdir(parents=True, exist_ok=True)
-  (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-  table = markdown_table(rows)
+  if write_json:
+    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+  table = markdown_table(rows) + "\n\n" + choice_text(rows)
   (out / "compare.md").write_text(table + "\n")
   plot(rows, out)
   print(table)

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import sys
 import time
 from typing import Any, Collection, Sequence
@@ -90,7 +91,8 @@ class TrainConfig:
   ckpt_every: int = 100
   log_every: int = 10
   moe_impl: str | None = None
-  expert_momentum: str | None = None     # SkewAdam ablations
+  expert_momentum: str | None = None     # SkewAdam tiers; None: the library default
+  backbone_momentum: str | None = None
   backbone_second_moment: str | None = None
   router_second_moment: str | None = None
   mesh: str | None = None  # SPMD layout, e.g. "data=4,expert=2" (experiments/parallel.py)
@@ -109,8 +111,10 @@ class TrainConfig:
     tiers = {}
     if self.expert_momentum:
       tiers["expert"] = {"momentum": self.expert_momentum}
-    if self.backbone_second_moment:
-      tiers["backbone"] = {"second_moment": self.backbone_second_moment}
+    backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
+                                  ("second_moment", self.backbone_second_moment)) if v}
+    if backbone:
+      tiers["backbone"] = backbone
     if self.router_second_moment:
       tiers["router"] = {"second_moment": self.router_second_moment}
     return tiers
@@ -394,6 +398,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
     bar = tqdm(total=config.steps, initial=start, desc=f"{config.optimizer}",
                dynamic_ncols=True, file=sys.stderr)
   timed_steps, timed_seconds, t_last = 0, 0.0, None
+  step_seconds = []  # per logged interval; the median shrugs off a busy machine's spikes
   last = {}
   with log_path.open("a") as log:
     for step in range(start, end):
@@ -431,6 +436,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
         if t_last is not None:
           timed_seconds += now - t_last
           timed_steps += done - t_prev
+          step_seconds.append((now - t_last) / (done - t_prev))
         t_last, t_prev = now, done
         tok_s = timed_steps * tokens_per_step / timed_seconds if timed_seconds else 0.0
         # Skipped steps do not advance the optimizer's schedule count.
@@ -463,6 +469,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
       "completed": end == config.steps,
       "train_loss": last.get("loss"),
       "tokens_per_s": timed_steps * tokens_per_step / timed_seconds if timed_seconds else None,
+      "median_step_s": statistics.median(step_seconds) if step_seconds else None,
       "unigram_ppl": run.data.info["unigram_val_perplexity"],
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
       "opt_state_bytes_by_tier": _summary_bytes(opt_state),

@@ -1,6 +1,7 @@
-"""The comparison harness on `tiny`: protocol, JSON rows, table and plots."""
+"""The comparison harness on `tiny`: protocol, JSON rows, table and plots; the defaults rule."""
 
 import json
+import pathlib
 
 import pytest
 
@@ -8,14 +9,18 @@ from experiments import compare
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
-  argv = ["--preset", "tiny", "--optimizers", "adamw", "--skewadam-configs",
-          "expert=int8", "--steps", "6", "--sweep-steps", "3", "--seeds", "0,1",
+  # The second configuration is the default, spelt out: it must run once.
+  argv = ["--preset", "tiny", "--optimizers", "adamw,skewadam", "--skewadam-configs",
+          "expert_m=int8;" + ",".join(f"{k}={v}" for k, v in compare.resolve_config({}).items()),
+          "--steps", "6", "--sweep-steps", "3", "--seeds", "0,1",
           "--batch-size", "4", "--data", corpus, "--out", str(tmp_path / "cmp"), "--quick"]
   monkeypatch.setattr(compare.train_lib, "train", _with_cache(compare.train_lib.train, cache_dir))
   assert compare.main(argv) == 0
   rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-  assert [(r["optimizer"], r["config"]) for r in rows] == [
-      ("adamw", "default"), ("skewadam", {"expert_momentum": "int8"})]
+  assert [(r["optimizer"], r["config"], compare.is_default(r)) for r in rows] == [
+      ("adamw", "default", True),
+      ("skewadam", compare.resolve_config({}), True),
+      ("skewadam", compare.resolve_config({"expert_m": "int8"}), False)]
   for r in rows:
     for key in ("optimizer", "config", "lr", "seeds", "val_ppl_mean", "val_ppl_std",
                 "opt_state_bytes_small", "opt_state_bytes_6p78b", "step_time_ratio_to_adamw"):
@@ -25,10 +30,16 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
     assert len(r["val_ppl_by_seed"]) == 2
   assert rows[0]["step_time_ratio_to_adamw"] == pytest.approx(1.0)
   # SkewAdam's state at moe-6.78b (int8 experts: 8.1 GB) is a fraction of AdamW's 54.2 GB.
-  assert rows[1]["opt_state_bytes_6p78b"] < rows[0]["opt_state_bytes_6p78b"] / 5
-  assert (tmp_path / "cmp" / "compare.md").read_text().count("\n") == 4
-  for name in ("val_ppl.png", "state_bytes.png"):
+  assert rows[2]["opt_state_bytes_6p78b"] < rows[0]["opt_state_bytes_6p78b"] / 5
+  assert rows[1]["opt_state_bytes_6p78b"] < rows[2]["opt_state_bytes_6p78b"]
+  table = (tmp_path / "cmp" / "compare.md").read_text()
+  assert table.count("\n| skewadam") == 2 and "(default)" in table
+  for name in ("val_ppl.png", "state_bytes.png", "frontier.png"):
     assert (tmp_path / "cmp" / name).stat().st_size > 1000
+  # --render redraws the same table from the JSON alone.
+  assert compare.main(["--render", str(tmp_path / "cmp" / "compare.json"),
+                       "--out", str(tmp_path / "again")]) == 0
+  assert (tmp_path / "again" / "compare.md").read_text() == table
 
 
 def _with_cache(train, cache_dir):
@@ -41,8 +52,10 @@ def _with_cache(train, cache_dir):
 def test_bad_configuration_is_one_line(capsys):
   assert compare.main(["--optimizers", "sgd"]) == 2
   assert compare.main(["--skewadam-configs", "experts=int8"]) == 2
+  assert compare.main(["--skewadam-configs", "expert_m=int4"]) == 2
   err = capsys.readouterr().err
   assert "unknown optimizer 'sgd'" in err and "bad SkewAdam configuration 'experts=int8'" in err
+  assert "int4" in err
 
 
 def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
@@ -51,7 +64,8 @@ def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
   def fake_run(base, out, cache_dir, *, lr, steps, seed, **overrides):
     del base, out, cache_dir, steps, seed, overrides
     x = lr / compare.optimizers.DEFAULT_LR["adamw"]
-    return {"val_ppl": 100 + (x - 9) ** 2, "tokens_per_s": 1.0, "opt_state_bytes": 1,
+    return {"val_ppl": 100 + (x - 9) ** 2, "tokens_per_s": 1.0, "median_step_s": 1.0,
+            "opt_state_bytes": 1,
             "curve": []}
   monkeypatch.setattr(compare, "_run", fake_run)
   monkeypatch.setattr(compare.state_bytes, "state_bytes", lambda *a, **k: {"total": 1})
@@ -60,3 +74,35 @@ def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
   factors = [round(s["lr"] / compare.optimizers.DEFAULT_LR["adamw"], 6) for s in row["sweep"]]
   assert factors == [round(1 / 3, 6), 1, 3, 9, 27]
   assert row["lr"] == pytest.approx(9 * compare.optimizers.DEFAULT_LR["adamw"])
+
+
+def _row(optimizer, ppl, std, state, **config):
+  return {"optimizer": optimizer, "config": config or "default", "val_ppl_mean": ppl,
+          "val_ppl_std": std, "opt_state_bytes_6p78b": state}
+
+
+def test_choose_default_follows_the_stated_rule():
+  adamw = _row("adamw", 100.0, 1.0, 54e9)
+  big_good = _row("skewadam", 95.0, 1.0, 2.3e9, name="big")
+  small_ok = _row("skewadam", 100.8, 0.5, 1.26e9, name="small-ok")   # within AdamW's spread
+  small_better = _row("skewadam", 99.0, 0.5, 1.28e9, name="small-better")
+  tiny_bad = _row("skewadam", 130.0, 1.0, 0.5e9, name="tiny-bad")
+  # Within the budget, the best perplexity among those that match AdamW.
+  assert compare.choose_default([adamw, big_good, small_ok, small_better, tiny_bad]) is small_better
+  assert compare.choose_default([adamw, big_good, small_ok, tiny_bad]) is small_ok
+  # Nothing within the budget matches: the smallest state that does.
+  mid = _row("skewadam", 99.5, 1.0, 1.6e9, name="mid")
+  assert compare.choose_default([adamw, big_good, mid, tiny_bad]) is mid
+  assert compare.choose_default([adamw, tiny_bad]) is None
+  assert compare.choose_default([big_good]) is None
+
+
+RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results" / "compare.json"
+
+
+@pytest.mark.skipif(not RESULTS.exists(), reason="no committed comparison yet")
+def test_library_defaults_are_the_committed_comparisons_choice():
+  rows = json.loads(RESULTS.read_text())
+  choice = compare.choose_default(rows)
+  assert choice is not None
+  assert choice["config"] == compare.resolve_config({})
