@@ -17,12 +17,20 @@ bandwidth, against this machine's copy bandwidth measured in the same process
 
 The train-step benchmark trains the ``small`` preset for a few steps with
 SkewAdam and with AdamW, alternating, and reports tokens/s of each.
+
+On Linux the command re-executes itself with :data:`CPU_MALLOC_ENV` (unless
+``--system-malloc``): XLA:CPU allocates an update's temporaries afresh on
+every call, and glibc by default hands large freed blocks back to the kernel,
+so every call page-faults them in again, one fault per 4 KiB page (about
+25 ms per 92 MB temporary on the 2-core machine, more than the arithmetic).
+Every optimizer runs under the same allocator; the JSON says which one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,6 +44,16 @@ import optax
 import skewadam_jax
 
 GB = 1e9
+
+# glibc: one arena, no mmap'd blocks, never trim: freed memory stays mapped.
+CPU_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+                  "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
+def malloc_setting() -> str:
+  """``"tuned"`` when this process runs under :data:`CPU_MALLOC_ENV`, else ``"system"``."""
+  tuned = all(os.environ.get(k) == v for k, v in CPU_MALLOC_ENV.items())
+  return "tuned" if tuned else "system"
 
 
 def moe_tree(*, layers=6, experts=16, d_model=512, d_ff=704, vocab=8192, dtype=jnp.float32,
@@ -199,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--train-steps", type=int, default=10)
   parser.add_argument("--train-rounds", type=int, default=3)
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--system-malloc", action="store_true",
+                      help="keep glibc's default allocator settings (see the module docstring)")
   parser.add_argument("--update-temp", action="store_true",
                       help="only report the XLA temp bytes of the update alone for moe-6.78b "
                            "on the A100-40GB target")
@@ -218,11 +238,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   train = None if args.skip_train_step else bench_train_step(
       steps=args.train_steps, rounds=args.train_rounds)
   if args.json:
-    print(json.dumps({**update, "train_step": train}, indent=2))
+    print(json.dumps({**update, "malloc": malloc_setting(), "train_step": train}, indent=2))
   else:
-    print(markdown(update, train))
+    print(markdown(update, train) + f"\n\nallocator: {malloc_setting()} "
+          "(see python -m experiments.bench --help)")
   return 0
 
 
+def _cli(argv: Sequence[str]) -> int:
+  if ("--system-malloc" not in argv and sys.platform.startswith("linux")
+      and malloc_setting() == "system"):
+    os.execve(sys.executable, [sys.executable, "-m", "experiments.bench", *argv],
+              {**os.environ, **CPU_MALLOC_ENV})
+  return main(argv)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli(sys.argv[1:]))

@@ -48,3 +48,24 @@ def test_update_temp_bytes_on_tiny():
   assert set(result["temp_bytes"]) == {"skewadam", "adamw"}
   assert all(isinstance(v, int) and v >= 0 for v in result["temp_bytes"].values())
   assert (result["warning"] is None) == memory.gpu_compile_available("a100-40gb")
+
+
+def test_cli_reexecutes_under_the_tuned_allocator(monkeypatch):
+  calls = []
+  monkeypatch.setattr(bench.os, "execve", lambda *a: calls.append(a))
+  monkeypatch.setattr(bench, "main", lambda argv: 0)
+  for key in bench.CPU_MALLOC_ENV:
+    monkeypatch.delenv(key, raising=False)
+  assert bench.malloc_setting() == "system"
+  bench._cli(["--json"])  # pylint: disable=protected-access
+  if bench.sys.platform.startswith("linux"):
+    [(exe, args, env)] = calls
+    assert args[1:] == ["-m", "experiments.bench", "--json"] and exe == bench.sys.executable
+    assert all(env[k] == v for k, v in bench.CPU_MALLOC_ENV.items())
+  calls.clear()
+  bench._cli(["--system-malloc"])  # pylint: disable=protected-access
+  for key, value in bench.CPU_MALLOC_ENV.items():
+    monkeypatch.setenv(key, value)
+  assert bench.malloc_setting() == "tuned"
+  bench._cli(["--json"])  # pylint: disable=protected-access
+  assert not calls
