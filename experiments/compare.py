@@ -56,8 +56,11 @@ from experiments import state_bytes
 from experiments import train as train_lib
 from skewadam_jax import transform as skewadam_transform
 
-QUICK = dict(steps=150, sweep_steps=60, seeds=(0, 1), eval_every=50, eval_batches=8)
-FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16)
+# --quick is a first look (the grid is not extended: its rates may sit at an edge).
+QUICK = dict(steps=100, sweep_steps=40, seeds=(0, 1), eval_every=50, eval_batches=4,
+             max_extensions=0)
+FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16,
+            max_extensions=2)
 
 # Short name → (tier, TierConfig field, TrainConfig field).
 TIER_KEYS = {
@@ -308,30 +311,41 @@ def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _plot_frontier(plt, rows, names, path):
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for name, r in zip(names, rows):
-    x = r["opt_state_bytes_6p78b"] / 1e9
-    ax.errorbar(x, r["val_ppl_mean"], yerr=r["val_ppl_std"], fmt="o",
-                color="C0" if r["optimizer"] == "skewadam" else "C1")
-    ax.annotate(name, (x, r["val_ppl_mean"]), fontsize=7, xytext=(4, 3),
-                textcoords="offset points")
-  # The frontier: configurations no other one beats on both state and perplexity.
+  """Perplexity against state at moe-6.78b; rows far above SkewAdam's are listed, not drawn."""
+  skew = [r for r in rows if r["optimizer"] == "skewadam"]
+  top = max(r["val_ppl_mean"] + r["val_ppl_std"] for r in skew)
+  bottom = min(r["val_ppl_mean"] - r["val_ppl_std"] for r in rows)
+  limit = top + 0.25 * (top - bottom)
+  fig, ax = plt.subplots(figsize=(9, 5.5))
+  markers = "osD^v<>pPX*h"
+  shown, hidden = [], []
+  for k, (name, r) in enumerate(zip(names, rows)):
+    if r["val_ppl_mean"] > limit:
+      hidden.append(f"{name}: {r['val_ppl_mean']:.0f}")
+      continue
+    shown.append(r)
+    ax.errorbar(r["opt_state_bytes_6p78b"] / 1e9, r["val_ppl_mean"], yerr=r["val_ppl_std"],
+                fmt=markers[k % len(markers)], color=plt.cm.tab20(k % 20), capsize=3, label=name)
+  # The frontier: configurations that no other beats on both state and perplexity.
   frontier, best = [], math.inf
-  for r in sorted(rows, key=lambda r: (r["opt_state_bytes_6p78b"], r["val_ppl_mean"])):
+  for r in sorted(shown, key=lambda r: (r["opt_state_bytes_6p78b"], r["val_ppl_mean"])):
     if r["val_ppl_mean"] < best:
       frontier.append(r)
       best = r["val_ppl_mean"]
   ax.step([r["opt_state_bytes_6p78b"] / 1e9 for r in frontier],
-          [r["val_ppl_mean"] for r in frontier], where="post", color="C2", label="frontier")
+          [r["val_ppl_mean"] for r in frontier], where="post", color="gray", alpha=0.6,
+          label="frontier")
   ax.axvline(STATE_BUDGET_6P78B / 1e9, color="gray", linestyle="--",
              label=f"{STATE_BUDGET_6P78B / 1e9:.2f} GB (published)")
-  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
-  if adamw:
-    ax.axhline(adamw["val_ppl_mean"], color="C1", linestyle=":", label="AdamW")
   ax.set(xlabel="optimizer state at moe-6.78b (GB, log)", xscale="log",
          ylabel="validation perplexity (mean ± std over seeds)",
-         title="Quality against optimizer memory")
-  ax.legend(fontsize=8)
+         xticks=[t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+                 if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]],
+         title="Quality against optimizer memory (* = default)"
+         + (f"\noff the chart: {'; '.join(hidden)}" if hidden else ""))
+  ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
+  ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path
@@ -389,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
+                   max_extensions=budget["max_extensions"],
                    log=lambda m: print(m, file=sys.stderr, flush=True))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
