@@ -129,14 +129,6 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> 
   return min(matching, key=lambda r: r["opt_state_bytes_6p78b"], default=None)
 
 
-def label(row_or_entry) -> str:
-  """``adamw`` or ``skewadam[backbone_m=fp32,...]``: a row's name in tables and plots."""
-  optimizer, config = row_or_entry
-  if not isinstance(config, dict):
-    return optimizer
-  return optimizer + "[" + ",".join(f"{k}={v}" for k, v in config.items()) + "]"
-
-
 def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
   base = optimizers.DEFAULT_LR[optimizer]
   return [base * f for f in factors]
@@ -249,6 +241,7 @@ def _config_cell(row: dict, mark_default: bool = True) -> str:
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
+  """The comparison's rows as a Markdown table; the library's default marked in bold."""
   lines = ["| optimizer | config | lr | val ppl (mean ± std) | state, this preset | state, moe-6.78b "
            "| step time ÷ AdamW |", "|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -283,6 +276,7 @@ def choice_text(rows: Sequence[dict]) -> str:
 
 
 def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
+  """Writes val_ppl.png, state_bytes.png and (with 2+ SkewAdam rows) frontier.png."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
