@@ -92,16 +92,30 @@ def optimizers_to_bench() -> dict[str, optax.GradientTransformation]:
   return txs
 
 
-def _median_seconds(fn, *args, repeats: int, warmup: int = 2):
-  """Median wall time of ``fn`` (which returns its donated arguments' successors)."""
+def _minor_page_faults() -> int:
+  try:
+    import resource  # pylint: disable=import-outside-toplevel
+  except ImportError:  # not on this platform
+    return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _median_seconds(fn, *args, repeats: int, warmup: int = 2, faults: list | None = None):
+  """Median wall time of ``fn`` (which returns its donated arguments' successors).
+
+  With ``faults``, appends the process's minor page faults per timed call.
+  """
   for _ in range(warmup):
     args = fn(*args)
   jax.block_until_ready(args)
   times = []
+  faults_before = _minor_page_faults()
   for _ in range(repeats):
     t0 = time.perf_counter()
     args = jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
+  if faults is not None:
+    faults.append((_minor_page_faults() - faults_before) / repeats)
   return statistics.median(times)
 
 
@@ -132,13 +146,17 @@ def bench_updates(params, *, repeats: int) -> dict:
     state_bytes = skewadam_jax.tree_bytes(state)
 
     step = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1))
+    faults = []
     seconds = _median_seconds(step, jax.tree.map(jnp.copy, params), state, grads,
-                              repeats=repeats)
+                              repeats=repeats, faults=faults)
     # Reads: params, grads, state; writes: params, state.
     moved = 2 * param_bytes + skewadam_jax.tree_bytes(grads) + 2 * state_bytes
     rows.append({"optimizer": name, "update_ms": 1e3 * seconds,
                  "state_bytes_per_param": state_bytes / n,
-                 "bytes_per_param": moved / n, "gbps": moved / seconds / GB})
+                 "bytes_per_param": moved / n, "gbps": moved / seconds / GB,
+                 # Each 4 KiB page of a temporary that the allocator hands back to
+                 # the kernel is faulted in again on the next call.
+                 "page_faults_per_update": faults[0]})
   adamw = next(r for r in rows if r["optimizer"] == "optax.adamw")
   for r in rows:
     r["ratio_to_adamw"] = r["update_ms"] / adamw["update_ms"]
@@ -195,11 +213,12 @@ def markdown(update: dict, train: dict | None) -> str:
   lines = [f"update benchmark: {update['num_params']:,} parameters (fp32), copy bandwidth "
            f"{update['copy_gbps']:.1f} GB/s", "",
            "| optimizer | update (ms) | × AdamW | state B/param | bytes moved / param | GB/s "
-           "| of copy bw |", "|---|---|---|---|---|---|---|"]
+           "| of copy bw | page faults / update |", "|---|---|---|---|---|---|---|---|"]
   for r in update["rows"]:
     lines.append(f"| {r['optimizer']} | {r['update_ms']:.1f} | {r['ratio_to_adamw']:.2f} "
                  f"| {r['state_bytes_per_param']:.2f} | {r['bytes_per_param']:.1f} "
-                 f"| {r['gbps']:.1f} | {100 * r['fraction_of_copy_bw']:.0f} % |")
+                 f"| {r['gbps']:.1f} | {100 * r['fraction_of_copy_bw']:.0f} % "
+                 f"| {r.get('page_faults_per_update', float('nan')):,.0f} |")
   if train:
     t = train["tokens_per_s"]
     lines += ["", f"train step (small): SkewAdam {t['skewadam']:,.0f} tokens/s, AdamW "

@@ -20,6 +20,7 @@ def test_rows_cover_every_optimizer_with_ratios(result):
   assert adamw["ratio_to_adamw"] == 1.0
   for r in result["rows"]:
     assert r["update_ms"] > 0 and r["gbps"] > 0 and r["ratio_to_adamw"] > 0
+    assert r["page_faults_per_update"] >= 0
   assert result["copy_gbps"] > 0
 
 
