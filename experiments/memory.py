@@ -211,15 +211,10 @@ def _human(nbytes: int) -> str:
 
 
 def _parse_tiers(args) -> dict:
-  tiers = {}
-  if args.expert_momentum:
-    tiers["expert"] = {"momentum": args.expert_momentum}
-  if args.backbone_momentum or args.backbone_second_moment:
-    tiers["backbone"] = {k: v for k, v in (("momentum", args.backbone_momentum),
-                                           ("second_moment", args.backbone_second_moment)) if v}
-  if args.router_second_moment:
-    tiers["router"] = {"second_moment": args.router_second_moment}
-  return tiers
+  return train_lib.TrainConfig(
+      expert_momentum=args.expert_momentum, backbone_momentum=args.backbone_momentum,
+      backbone_second_moment=args.backbone_second_moment,
+      router_second_moment=args.router_second_moment).skewadam_tiers()
 
 
 def markdown_table(reports: Sequence[dict]) -> str:

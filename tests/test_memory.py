@@ -99,3 +99,12 @@ def test_gpu_check_phase_runs_tiny_steps_on_any_device():
   from experiments import gpu_check
   result = gpu_check.run_phase("tiny", "skewadam", batch=1, seq=16, steps=2)
   assert result["status"] == "ok" and len(result["step_seconds"]) == 2
+
+
+def test_tier_flags_become_skewadam_tier_configs():
+  import argparse  # pylint: disable=import-outside-toplevel
+  args = argparse.Namespace(expert_momentum="int8", backbone_momentum="fp32",
+                            backbone_second_moment="exact", router_second_moment=None)
+  assert memory._parse_tiers(args) == {  # pylint: disable=protected-access
+      "expert": {"momentum": "int8"},
+      "backbone": {"momentum": "fp32", "second_moment": "exact"}}
