@@ -25,6 +25,7 @@ import pytest
 import skewadam_jax as sa
 from experiments import checkpoint as ckpt_lib
 from experiments import train as train_lib
+from tests._steps import run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
@@ -43,16 +44,9 @@ def poison(tree, value):
 
 
 def run_steps(tx, params, grads_seq):
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  for grads in grads_seq:
-    params, state = step(params, state, grads)
-  return params, state
+  """(params after the last step, state)."""
+  trajectory, state = run(tx, params, grads_seq)
+  return (trajectory[-1] if trajectory else params), state
 
 
 # ------------------------------------------------ non-finite gradients: library

@@ -10,26 +10,11 @@ import pytest
 
 import skewadam_jax as sa
 from skewadam_jax import labels as labels_lib
+from tests._steps import run
 
 EXACT = sa.TierConfig(momentum="fp32", second_moment="exact")
 ALL_EXACT = dict(backbone=EXACT, expert=EXACT, router=EXACT)
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 25)
-
-
-def run(tx, params, grads_seq):
-  """Applies tx for every gradient in grads_seq; returns params after each step."""
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  trajectory = []
-  for grads in grads_seq:
-    params, state = step(params, state, grads)
-    trajectory.append(params)
-  return trajectory, state
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
