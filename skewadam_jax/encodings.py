@@ -150,6 +150,20 @@ class SignEncoding(MomentumEncoding):
     bits = jnp.packbits(m < 0, axis=-1)
     return SignMomentum(bits=bits, magnitude=factored.row_col_means(jnp.abs(m)))
 
+  @staticmethod
+  def bit_weights(m: jax.Array) -> jax.Array:
+    """uint8 weights whose sums over groups of 8 along the last axis are the bits.
+
+    Element ``j`` of a row weighs ``2^(7 − j mod 8)`` where ``m < 0`` and 0
+    elsewhere, so the sum of each group of 8 is ``packbits(m < 0)``'s byte
+    (big-endian, as :func:`jax.numpy.packbits`). With
+    :func:`~skewadam_jax.factored.row_col_means_grouped` the bits are packed in
+    the same pass as the row statistics.
+    """
+    position = jnp.arange(m.shape[-1]) % factored.GROUP
+    weight = jnp.left_shift(jnp.uint8(1), (7 - position).astype(jnp.uint8))
+    return jnp.where(m < 0, weight, jnp.uint8(0))
+
   def decode(self, state):
     cols = state.magnitude.col.shape[-1]
     negative = jnp.unpackbits(state.bits, axis=-1, count=cols).astype(bool)

@@ -177,23 +177,53 @@ def _expected_nu_shapes(plan: _LeafPlan, shape):
   return (tuple(shape),)
 
 
+def _reductions(g_sq, m, *, grouped: bool):
+  """The reductions of one step, over the last two axes of a leaf.
+
+  Returns the row and column means of each of ``g_sq`` (the factored ``v``'s
+  input, or ``None``) and ``|m|`` (the sign encoding's magnitude, when ``m`` is
+  not ``None``), and the packed sign bits of ``m`` (or ``None``).
+  ``grouped=True`` computes them all in two passes
+  (:func:`~skewadam_jax.factored.row_col_means_grouped`, for XLA:CPU);
+  otherwise as plain means and ``jnp.packbits``, which XLA:GPU and XLA:TPU fuse
+  with their producers.
+  """
+  xs = [x for x in (g_sq, None if m is None else jnp.abs(m)) if x is not None]
+  if grouped:
+    weights = [] if m is None else [encodings.SignEncoding.bit_weights(m)]
+    means, group_sums = factored.row_col_means_grouped(xs, weights)
+    bits = group_sums[0] if group_sums else None
+  else:
+    means = [factored.row_col_means(x) for x in xs]
+    bits = None if m is None else jnp.packbits(m < 0, axis=-1)
+  return means, bits
+
+
 def _update_leaf(plan: _LeafPlan, g, mu, nu, *, b1, b2, eps, eps_root,
                  factored_eps, count):
   """One leaf's Adam step in float32; returns (update, new mu, new nu)."""
   g32 = g.astype(jnp.float32)
-  g_sq = g32 * g32
+  encoding = plan.encoding
+  sign = isinstance(encoding, encodings.SignEncoding)
+  m = None if encoding is None else (1 - b1) * g32 + b1 * encoding.decode(mu)
+  if plan.factored or sign:
+    g_sq = g32 * g32 + factored_eps if plan.factored else None
+    m_signed = m if sign else None
+    means, bits = jax.lax.platform_dependent(
+        cpu=lambda: _reductions(g_sq, m_signed, grouped=True),
+        default=lambda: _reductions(g_sq, m_signed, grouped=False))
   if plan.factored:
-    nu = factored.ema_factored(nu, g_sq + factored_eps, b2)
+    nu = factored.ema_factored(nu, means[0], b2)
     v = factored.rank_one(nu.row.astype(jnp.float32), nu.col.astype(jnp.float32))
   else:
-    v = (1 - b2) * g_sq + b2 * nu.astype(jnp.float32)
+    v = (1 - b2) * g32 * g32 + b2 * nu.astype(jnp.float32)
     nu = v.astype(plan.nu_dtype)
   v_hat = v / (1 - b2**count)
-  if plan.encoding is None:
+  if encoding is None:
     m_hat = g32
   else:
-    m = (1 - b1) * g32 + b1 * plan.encoding.decode(mu)
-    mu = plan.encoding.encode(m)
+    mu = (encodings.SignMomentum(bits=bits, magnitude=means[-1]) if sign
+          else encoding.encode(m))
     m_hat = m / (1 - b1**count)
   update = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
   return update.astype(g.dtype), mu, nu

@@ -10,6 +10,7 @@ import pytest
 
 import skewadam_jax as sa
 from skewadam_jax import labels as labels_lib
+from skewadam_jax import transform
 from tests._steps import run
 
 EXACT = sa.TierConfig(momentum="fp32", second_moment="exact")
@@ -291,3 +292,14 @@ def test_update_with_changed_shape_or_labels_raises(params):
   with pytest.raises(ValueError, match=r"\['b/experts'\] had 'expert' state at init"):
     sa.scale_by_skewadam(param_labels=lambda t: {"a": "backbone"}).update(
         {"a": jnp.zeros((4, 3))}, state)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6), (3, 16, 24)])
+def test_cpu_and_accelerator_reductions_agree(shape):
+  """The grouped reductions (XLA:CPU) equal the plain ones (XLA:GPU/TPU)."""
+  g = jax.random.normal(jax.random.PRNGKey(3), shape)
+  m = jax.random.normal(jax.random.PRNGKey(4), shape)
+  for g_sq, m_ in ((g * g, m), (g * g, None), (None, m)):
+    grouped = transform._reductions(g_sq, m_, grouped=True)
+    plain = transform._reductions(g_sq, m_, grouped=False)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), grouped, plain)
