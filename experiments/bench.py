@@ -6,14 +6,17 @@
 The update benchmark times ``params, state = apply(update(grads, state, params))``
 jitted with parameters and state donated, on one MoE-shaped parameter tree
 (a scaled-down ``moe-6.78b``: stacked ``[L, E, d_in, d_out]`` SwiGLU banks,
-stacked attention, untied embeddings; 116M parameters by default), for
+stacked attention, untied embeddings; 119M parameters by default), for
 SkewAdam's default and each expert-momentum encoding, ``optax.adamw``,
 ``optax.adafactor`` and ``optax.lion``: the median over ``--repeats`` timed
-calls after warm-up. An update is memory-bound, so next to the time it
+calls after warm-up, in ``--rounds`` interleaved rounds (see
+:func:`bench_updates`). An update is memory-bound, so next to the time it
 reports the bytes each update must move per parameter (reads of parameters,
-gradients and state, writes of parameters and state) and the achieved
-bandwidth, against this machine's copy bandwidth measured in the same process
-(a jitted ``x + 1`` over a large array: one read and one write).
+gradients and state, writes of parameters and state), the achieved
+bandwidth against this machine's copy bandwidth measured in the same process
+(a jitted ``x + 1`` over a large array: one read and one write), and the
+bytes XLA's compiled update actually reads and writes (its cost analysis:
+every kernel's operands and results, so a temporary counts twice).
 
 The train-step benchmark trains the ``small`` preset for a few steps with
 SkewAdam and with AdamW, alternating, and reports tokens/s of each.
@@ -100,10 +103,12 @@ def _minor_page_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _median_seconds(fn, *args, repeats: int, warmup: int = 2, faults: list | None = None):
+def _median_seconds(fn, *args, repeats: int, warmup: int = 2, faults: list | None = None,
+                    carry: dict | None = None):
   """Median wall time of ``fn`` (which returns its donated arguments' successors).
 
-  With ``faults``, appends the process's minor page faults per timed call.
+  With ``faults``, appends the process's minor page faults per timed call;
+  with ``carry``, stores the last successors in ``carry["args"]``.
   """
   for _ in range(warmup):
     args = fn(*args)
@@ -116,6 +121,8 @@ def _median_seconds(fn, *args, repeats: int, warmup: int = 2, faults: list | Non
     times.append(time.perf_counter() - t0)
   if faults is not None:
     faults.append((_minor_page_faults() - faults_before) / repeats)
+  if carry is not None:
+    carry["args"] = args
   return statistics.median(times)
 
 
@@ -130,38 +137,67 @@ def copy_bandwidth_gbps(nbytes: int, repeats: int) -> float:
 def _update_and_apply(tx):
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, grads
+    return optax.apply_updates(params, updates), state
   return step
 
 
-def bench_updates(params, *, repeats: int) -> dict:
-  """The update benchmark; returns ``{"copy_gbps", "num_params", "rows"}``."""
+def _compiled_bytes(compiled) -> float | None:
+  """XLA's own count of the bytes a compiled program reads and writes."""
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # not every backend has one
+    return None
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  return None if not analysis else analysis.get("bytes accessed")
+
+
+def bench_updates(params, *, repeats: int, rounds: int = 3) -> dict:
+  """The update benchmark; returns ``{"copy_gbps", "num_params", "rounds", "rows"}``.
+
+  Each optimizer's update is compiled once, with parameters and state donated
+  (the gradients are a read-only input, as in training). Then ``rounds``
+  rounds time every optimizer in turn (median of ``repeats`` calls after
+  warm-up), so that a slow spell of a shared machine falls on all of them.
+  ``update_ms`` is the median over rounds; ``ratio_to_adamw`` the median over
+  rounds of that round's ratio, with its range over rounds.
+  """
   grads = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
   n = sum(x.size for x in jax.tree.leaves(params))
   param_bytes = skewadam_jax.tree_bytes(params)
   copy_gbps = copy_bandwidth_gbps(param_bytes, repeats)
-  rows = []
+  runs = {}
   for name, tx in optimizers_to_bench().items():
     state = tx.init(params)
-    state_bytes = skewadam_jax.tree_bytes(state)
-
-    step = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1))
-    faults = []
-    seconds = _median_seconds(step, jax.tree.map(jnp.copy, params), state, grads,
-                              repeats=repeats, faults=faults)
+    compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
+        params, state, grads).compile()
+    runs[name] = {"step": compiled, "args": (jax.tree.map(jnp.copy, params), state),
+                  "state_bytes": skewadam_jax.tree_bytes(state),
+                  "compiled_bytes": _compiled_bytes(compiled), "seconds": [], "faults": []}
+  for _ in range(rounds):
+    for run in runs.values():
+      step = lambda p, s, step=run["step"]: step(p, s, grads)
+      run["seconds"].append(_median_seconds(step, *run["args"], repeats=repeats,
+                                            faults=run["faults"], carry=run))
+  adamw = runs["optax.adamw"]["seconds"]
+  rows = []
+  for name, run in runs.items():
+    seconds = statistics.median(run["seconds"])
+    ratios = [t / a for t, a in zip(run["seconds"], adamw)]
     # Reads: params, grads, state; writes: params, state.
-    moved = 2 * param_bytes + skewadam_jax.tree_bytes(grads) + 2 * state_bytes
+    moved = 2 * param_bytes + skewadam_jax.tree_bytes(grads) + 2 * run["state_bytes"]
+    compiled = run["compiled_bytes"]
     rows.append({"optimizer": name, "update_ms": 1e3 * seconds,
-                 "state_bytes_per_param": state_bytes / n,
+                 "ratio_to_adamw": statistics.median(ratios),
+                 "ratio_range": [min(ratios), max(ratios)],
+                 "state_bytes_per_param": run["state_bytes"] / n,
                  "bytes_per_param": moved / n, "gbps": moved / seconds / GB,
+                 "fraction_of_copy_bw": moved / seconds / GB / copy_gbps,
+                 "compiled_bytes_per_param": None if compiled is None else compiled / n,
                  # Each 4 KiB page of a temporary that the allocator hands back to
                  # the kernel is faulted in again on the next call.
-                 "page_faults_per_update": faults[0]})
-  adamw = next(r for r in rows if r["optimizer"] == "optax.adamw")
-  for r in rows:
-    r["ratio_to_adamw"] = r["update_ms"] / adamw["update_ms"]
-    r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
-  return {"copy_gbps": copy_gbps, "num_params": n, "rows": rows}
+                 "page_faults_per_update": statistics.mean(run["faults"])})
+  return {"copy_gbps": copy_gbps, "num_params": n, "rounds": rounds, "rows": rows}
 
 
 def bench_train_step(*, steps: int, rounds: int) -> dict:
@@ -192,8 +228,8 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   """XLA temp bytes of the optimizer update alone (update + apply), per optimizer.
 
   Compiled for ``target`` without a device, as the memory planner does; the
-  parameters (bf16), gradients and optimizer state are donated, so the temp
-  is what the update needs beyond its inputs and outputs.
+  parameters (bf16) and optimizer state are donated and the gradients are an
+  input, so the temp is what the update needs beyond its inputs and outputs.
   """
   from experiments import memory  # pylint: disable=import-outside-toplevel
   _, _, params, _ = memory.abstract_model(preset, jnp.bfloat16)
@@ -203,7 +239,7 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   for name in ("skewadam", "adamw"):
     tx = memory.make_tx(name)
     state = jax.eval_shape(tx.init, params)
-    compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1, 2)).lower(
+    compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
         place(params), place(state), place(params)).compile()
     rows[name] = int(compiled.memory_analysis().temp_size_in_bytes)
   return {"preset": preset, "target": target, "warning": warning, "temp_bytes": rows}
@@ -212,13 +248,18 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
 def markdown(update: dict, train: dict | None) -> str:
   lines = [f"update benchmark: {update['num_params']:,} parameters (fp32), copy bandwidth "
            f"{update['copy_gbps']:.1f} GB/s", "",
-           "| optimizer | update (ms) | × AdamW | state B/param | bytes moved / param | GB/s "
-           "| of copy bw | page faults / update |", "|---|---|---|---|---|---|---|---|"]
+           "| optimizer | update (ms) | × AdamW (range over rounds) | state B/param "
+           "| bytes moved / param | GB/s | of copy bw | XLA bytes / param "
+           "| page faults / update |", "|---|---|---|---|---|---|---|---|---|"]
   for r in update["rows"]:
-    lines.append(f"| {r['optimizer']} | {r['update_ms']:.1f} | {r['ratio_to_adamw']:.2f} "
+    low, high = r["ratio_range"]
+    compiled = r["compiled_bytes_per_param"]
+    lines.append(f"| {r['optimizer']} | {r['update_ms']:.1f} "
+                 f"| {r['ratio_to_adamw']:.2f} ({low:.2f}–{high:.2f}) "
                  f"| {r['state_bytes_per_param']:.2f} | {r['bytes_per_param']:.1f} "
                  f"| {r['gbps']:.1f} | {100 * r['fraction_of_copy_bw']:.0f} % "
-                 f"| {r.get('page_faults_per_update', float('nan')):,.0f} |")
+                 f"| {'n/a' if compiled is None else f'{compiled:.1f}'} "
+                 f"| {r['page_faults_per_update']:,.0f} |")
   if train:
     t = train["tokens_per_s"]
     lines += ["", f"train step (small): SkewAdam {t['skewadam']:,.0f} tokens/s, AdamW "
@@ -231,7 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--experts", type=int, default=16)
-  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=10,
+                      help="timed calls per optimizer and round (median)")
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="rounds over all optimizers, interleaved (median)")
   parser.add_argument("--skip-train-step", action="store_true")
   parser.add_argument("--train-steps", type=int, default=10)
   parser.add_argument("--train-rounds", type=int, default=3)
@@ -249,11 +293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         + [f"  {k}: {v / GB:.2f} GB" for k, v in result["temp_bytes"].items()]
         + ([f"  warning: {result['warning']}"] if result["warning"] else [])))
     return 0
-  if args.repeats < 1 or args.layers < 1 or args.experts < 1:
-    print("error: --repeats, --layers and --experts must be >= 1", file=sys.stderr)
+  if min(args.repeats, args.rounds, args.layers, args.experts) < 1:
+    print("error: --repeats, --rounds, --layers and --experts must be >= 1", file=sys.stderr)
     return 2
   update = bench_updates(moe_tree(layers=args.layers, experts=args.experts),
-                         repeats=args.repeats)
+                         repeats=args.repeats, rounds=args.rounds)
   train = None if args.skip_train_step else bench_train_step(
       steps=args.train_steps, rounds=args.train_rounds)
   if args.json:

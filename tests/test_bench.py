@@ -10,7 +10,7 @@ from experiments import bench
 @pytest.fixture(scope="module")
 def result():
   params = bench.moe_tree(layers=1, experts=2, d_model=16, d_ff=24, vocab=64)
-  return bench.bench_updates(params, repeats=1)
+  return bench.bench_updates(params, repeats=1, rounds=2)
 
 
 def test_rows_cover_every_optimizer_with_ratios(result):
@@ -20,8 +20,12 @@ def test_rows_cover_every_optimizer_with_ratios(result):
   assert adamw["ratio_to_adamw"] == 1.0
   for r in result["rows"]:
     assert r["update_ms"] > 0 and r["gbps"] > 0 and r["ratio_to_adamw"] > 0
+    low, high = r["ratio_range"]
+    assert low <= r["ratio_to_adamw"] <= high
     assert r["page_faults_per_update"] >= 0
-  assert result["copy_gbps"] > 0
+    # XLA reads and writes at least the parameters and gradients.
+    assert r["compiled_bytes_per_param"] >= 12
+  assert result["copy_gbps"] > 0 and result["rounds"] == 2
 
 
 def test_bytes_moved_per_parameter(result):
