@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -224,25 +225,64 @@ def bench_train_step(*, steps: int, rounds: int) -> dict:
           "steps_per_round": steps, "rounds": rounds}
 
 
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                  "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(pred|bf16|[suf](?:8|16|32|64))\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
+# Instructions that run no kernel: they name or regroup buffers.
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+              "optimization-barrier"}
+
+
+def kernel_bytes(hlo_text: str) -> int:
+  """Bytes the kernels of a compiled program read and write, from its HLO text.
+
+  Every top-level instruction of the entry computation that runs (a fusion, a
+  copy, a custom call) counts its operands and its result in full; tuples,
+  bitcasts and parameters move nothing. That is how XLA's own cost analysis
+  counts ``bytes accessed``; this version also works for a program compiled
+  for a GPU target without a device, whose cost analysis is empty.
+  """
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  sizes, total = {}, 0
+  for line in entry.splitlines()[1:]:
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, shape, opcode, rest = match.groups()
+    sizes[name] = sum(_ELEMENT_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                      for dtype, dims in _ARRAY.findall(shape))
+    if opcode not in _NO_KERNEL:
+      total += sizes[name] + sum(sizes.get(operand, 0)
+                                 for operand in re.findall(r"%([^\s,)]+)", rest))
+  return total
+
+
 def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> dict:
-  """XLA temp bytes of the optimizer update alone (update + apply), per optimizer.
+  """XLA temp and kernel bytes of the optimizer update alone (update + apply).
 
   Compiled for ``target`` without a device, as the memory planner does; the
   parameters (bf16) and optimizer state are donated and the gradients are an
   input, so the temp is what the update needs beyond its inputs and outputs.
+  ``kernel_bytes_per_param`` is :func:`kernel_bytes` of the compiled update
+  over the number of parameters: what the update would read and write on
+  that GPU.
   """
   from experiments import memory  # pylint: disable=import-outside-toplevel
   _, _, params, _ = memory.abstract_model(preset, jnp.bfloat16)
   sharding, warning = memory._target_sharding(target)  # pylint: disable=protected-access
   place = lambda t: memory.with_sharding(t, sharding)
-  rows = {}
+  n = sum(x.size for x in jax.tree.leaves(params))
+  temp, traffic = {}, {}
   for name in ("skewadam", "adamw"):
     tx = memory.make_tx(name)
     state = jax.eval_shape(tx.init, params)
     compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
         place(params), place(state), place(params)).compile()
-    rows[name] = int(compiled.memory_analysis().temp_size_in_bytes)
-  return {"preset": preset, "target": target, "warning": warning, "temp_bytes": rows}
+    temp[name] = int(compiled.memory_analysis().temp_size_in_bytes)
+    traffic[name] = kernel_bytes(compiled.as_text()) / n
+  return {"preset": preset, "target": target, "warning": warning, "temp_bytes": temp,
+          "kernel_bytes_per_param": traffic}
 
 
 def markdown(update: dict, train: dict | None) -> str:
@@ -289,8 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.update_temp:
     result = update_temp_bytes()
     print(json.dumps(result, indent=2) if args.json else "\n".join(
-        [f"update alone, {result['preset']} (bf16 params), XLA temp on {result['target']}:"]
-        + [f"  {k}: {v / GB:.2f} GB" for k, v in result["temp_bytes"].items()]
+        [f"update alone, {result['preset']} (bf16 params), compiled for {result['target']}:"]
+        + [f"  {k}: XLA temp {v / GB:.2f} GB, kernels read+write "
+           f"{result['kernel_bytes_per_param'][k]:.1f} B/param"
+           for k, v in result["temp_bytes"].items()]
         + ([f"  warning: {result['warning']}"] if result["warning"] else [])))
     return 0
   if min(args.repeats, args.rounds, args.layers, args.experts) < 1:
