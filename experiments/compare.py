@@ -33,7 +33,9 @@ A SkewAdam row's ``config`` is its full tier configuration
 (``backbone_m, backbone_v, expert_m, router_v``), resolved against the
 library's defaults; so the rows, and their folder names, do not change when
 the defaults do (tables mark the row that is the library's default now, and
-``--render`` redraws them from a saved ``compare.json``).
+``--render`` redraws them from a saved ``compare.json``). ``--keep-rows-from``
+re-runs only some rows of a saved comparison, say SkewAdam's after a change to
+the library, and keeps the rest (:func:`merge_rows`).
 :func:`choose_default` is the rule that picked the defaults.
 """
 
@@ -210,12 +212,31 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.Train
     })
     log(f"{name}: lr {best['lr']:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
         f"± {rows[-1]['val_ppl_std']:.2f}")
+  _add_step_time_ratios(rows)
+  return rows
+
+
+def _add_step_time_ratios(rows: Sequence[dict]) -> None:
   adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
   for r in rows:
     # Medians of per-step times: robust to another process borrowing the cores.
     r["step_time_ratio_to_adamw"] = (
         r["median_step_s"] / adamw["median_step_s"]
         if adamw and adamw["median_step_s"] and r["median_step_s"] else None)
+
+
+def merge_rows(kept: Sequence[dict], rerun: Sequence[dict]) -> list[dict]:
+  """``kept`` with each row that ``rerun`` has again (same optimizer and config) replaced.
+
+  Rows only in ``rerun`` follow; step-time ratios are recomputed against the
+  merged AdamW row. For re-running some rows (say SkewAdam's, after a change
+  to the library) and keeping the others.
+  """
+  key = lambda r: (r["optimizer"], json.dumps(r["config"], sort_keys=True))
+  fresh = {key(r): r for r in rerun}
+  rows = [fresh.pop(key(r), r) for r in kept]
+  rows += [r for r in rerun if key(r) in fresh]
+  _add_step_time_ratios(rows)
   return rows
 
 
@@ -365,10 +386,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs)")
   parser.add_argument("--render", default=None, metavar="COMPARE_JSON",
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
+  parser.add_argument("--keep-rows-from", default=None, metavar="COMPARE_JSON",
+                      help="add this saved comparison's rows that were not (re)run "
+                      "(with --render: merge the two into OUT/compare.json)")
   args = parser.parse_args(argv)
+  kept = (json.loads(pathlib.Path(args.keep_rows_from).read_text())
+          if args.keep_rows_from else None)
   if args.render:
     rows = json.loads(pathlib.Path(args.render).read_text())
-    return _write(rows, pathlib.Path(args.out), write_json=False)
+    if kept is not None:
+      rows = merge_rows(kept, rows)
+    return _write(rows, pathlib.Path(args.out), write_json=kept is not None)
   budget = dict(QUICK if args.quick else FULL)
   if args.steps:
     budget["steps"] = args.steps
@@ -402,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
-  return _write(rows, out)
+  return _write(rows if kept is None else merge_rows(kept, rows), out)
 
 
 def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True) -> int:

@@ -106,3 +106,27 @@ def test_library_defaults_are_the_committed_comparisons_choice():
   choice = compare.choose_default(rows)
   assert choice is not None
   assert choice["config"] == compare.resolve_config({})
+
+
+def test_merge_rows_replaces_rerun_rows_and_recomputes_step_time_ratios(tmp_path):
+  kept = [dict(_row("adamw", 100.0, 1.0, 54e9), median_step_s=0.2),
+          dict(_row("skewadam", 99.0, 1.0, 1.3e9, name="a"), median_step_s=0.3),
+          dict(_row("lion", 120.0, 1.0, 27e9), median_step_s=0.1)]
+  rerun = [dict(_row("skewadam", 98.0, 1.0, 1.3e9, name="a"), median_step_s=0.25),
+           dict(_row("skewadam", 97.0, 1.0, 1.2e9, name="b"), median_step_s=0.4)]
+  rows = compare.merge_rows(kept, rerun)
+  assert [(r["optimizer"], r["val_ppl_mean"]) for r in rows] == [
+      ("adamw", 100.0), ("skewadam", 98.0), ("lion", 120.0), ("skewadam", 97.0)]
+  assert [r["step_time_ratio_to_adamw"] for r in rows] == pytest.approx([1.0, 1.25, 0.5, 2.0])
+
+
+@pytest.mark.skipif(not RESULTS.exists(), reason="no committed comparison yet")
+def test_render_with_kept_rows_writes_the_merged_comparison(tmp_path):
+  kept = json.loads(RESULTS.read_text())
+  rerun = [dict(kept[-1], val_ppl_mean=1.0)]
+  (tmp_path / "new.json").write_text(json.dumps(rerun))
+  assert compare.main(["--render", str(tmp_path / "new.json"), "--keep-rows-from", str(RESULTS),
+                       "--out", str(tmp_path / "out")]) == 0
+  merged = json.loads((tmp_path / "out" / "compare.json").read_text())
+  assert [r["val_ppl_mean"] for r in merged] == [r["val_ppl_mean"] for r in kept[:-1]] + [1.0]
+  assert (tmp_path / "out" / "compare.md").exists()
