@@ -24,6 +24,12 @@ Tiers are assigned by labels on the parameter pytree (:mod:`skewadam_jax.labels`
 The state keeps each tier's moments in a dict keyed by the ``/``-joined
 parameter path, so the state says which tier holds what and how many bytes
 it takes (:mod:`skewadam_jax.accounting`).
+
+A step's reductions (the factored statistics of ``g²`` and ``|m|`` and the
+packed sign bits) are computed in the form each backend compiles best, chosen
+with ``jax.lax.platform_dependent``: plain means on GPU and TPU, two grouped
+passes on CPU (:func:`skewadam_jax.factored.row_col_means_grouped`). Both give
+the same state up to the order of summation.
 """
 
 from __future__ import annotations
