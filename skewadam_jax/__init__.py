@@ -5,7 +5,12 @@ The public API:
 * :func:`scale_by_skewadam` — the moment logic (an optax transformation).
 * :func:`skewadam` — with decoupled weight decay and a learning rate.
 * :class:`TierConfig` — how a tier stores its momentum and second moment.
-* :func:`moe_param_labels` — the default path-regex labeller.
+* :class:`MatrixAxes` — which two axes of a leaf form its matrix.
+* :func:`moe_param_labels`, :data:`PATTERNS`, :func:`label_fn` — path-regex
+  labellers.
+* :func:`leaf_plans` — how each leaf is stored, before a run.
+* :func:`matrices_only`, :func:`add_decayed_weights_to_matrices` — weight
+  decay on declared matrices.
 * :func:`state_bytes_by_tier`, :func:`abstract_state_bytes_by_tier`,
   :func:`tree_bytes` — exact state accounting.
 * :func:`apply_updates_stochastic`, :func:`stochastic_round_to_bf16` —
@@ -16,15 +21,15 @@ The public API:
 from skewadam_jax.accounting import abstract_state_bytes_by_tier
 from skewadam_jax.accounting import state_bytes_by_tier
 from skewadam_jax.accounting import tree_bytes
+from skewadam_jax.axes import MatrixAxes
 from skewadam_jax.encodings import ENCODINGS
-from skewadam_jax.encodings import Int8Momentum
-from skewadam_jax.encodings import SignMomentum
 from skewadam_jax.encodings import get_encoding
-from skewadam_jax.factored import FactoredMoment
 from skewadam_jax.labels import BACKBONE
 from skewadam_jax.labels import EXPERT
+from skewadam_jax.labels import PATTERNS
 from skewadam_jax.labels import ROUTER
 from skewadam_jax.labels import TIERS
+from skewadam_jax.labels import label_fn
 from skewadam_jax.labels import moe_param_labels
 from skewadam_jax.rounding import apply_updates_stochastic
 from skewadam_jax.rounding import stochastic_round_to_bf16
@@ -32,20 +37,24 @@ from skewadam_jax.sharding import state_shardings
 from skewadam_jax.transform import DEFAULT_BACKBONE
 from skewadam_jax.transform import DEFAULT_EXPERT
 from skewadam_jax.transform import DEFAULT_ROUTER
+from skewadam_jax.transform import LeafPlan
+from skewadam_jax.transform import MATRICES
 from skewadam_jax.transform import ScaleBySkewAdamState
 from skewadam_jax.transform import TierConfig
-from skewadam_jax.transform import TierState
+from skewadam_jax.transform import add_decayed_weights_to_matrices
+from skewadam_jax.transform import leaf_plans
 from skewadam_jax.transform import matrices_only
 from skewadam_jax.transform import scale_by_skewadam
 from skewadam_jax.transform import skewadam
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER",
-    "ENCODINGS", "EXPERT", "FactoredMoment", "Int8Momentum", "ROUTER",
-    "ScaleBySkewAdamState", "SignMomentum", "TIERS", "TierConfig", "TierState",
-    "abstract_state_bytes_by_tier", "apply_updates_stochastic", "get_encoding",
+    "ENCODINGS", "EXPERT", "LeafPlan", "MATRICES", "MatrixAxes", "PATTERNS",
+    "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
+    "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
+    "apply_updates_stochastic", "get_encoding", "label_fn", "leaf_plans",
     "matrices_only", "moe_param_labels", "scale_by_skewadam", "skewadam",
     "state_bytes_by_tier", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",

@@ -7,12 +7,14 @@ returns. That sizes a 100B-parameter model's state without allocating it::
     abstract = jax.eval_shape(tx.init, abstract_params)
     state_bytes_by_tier(abstract)
 
-Tiers: inside a :class:`~skewadam_jax.ScaleBySkewAdamState` the state says
-which tier holds each array. Elsewhere (optax's own states, or the parts of a
-chain around SkewAdam) a leaf is attributed by matching the default tier
-patterns against its path, which ends with the parameter's path (for example
-``0/mu/layers/moe/experts/w_up``). Scalars (step counts, injected
-hyperparameters) are counted as ``"other"``.
+Tiers: a SkewAdam state's fields are shaped like the parameters, so each of
+their leaves is attributed to the tier of its parameter: by ``param_labels``
+when given (the labels the optimizer was built with; a tree or a callable of
+the tree's paths), otherwise by matching the default tier patterns against the
+parameter's path. Leaves of other optax states (or the parts of a chain around
+SkewAdam) are attributed by matching the patterns against their path, which
+ends with the parameter's path (for example ``0/mu/layers/moe/experts/w_up``).
+Scalars (step counts, injected hyperparameters) are counted as ``"other"``.
 """
 
 from __future__ import annotations
@@ -46,15 +48,18 @@ def tree_bytes(tree) -> int:
   return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
 
 
-def state_bytes_by_tier(state, *, router=labels_lib.DEFAULT_ROUTER_PATTERNS,
+def state_bytes_by_tier(state, *, param_labels=None,
+                        router=labels_lib.DEFAULT_ROUTER_PATTERNS,
                         expert=labels_lib.DEFAULT_EXPERT_PATTERNS) -> dict[str, int]:
   """Optimizer-state bytes split by tier, for any optax state.
 
   Args:
     state: a live or abstract (``jax.eval_shape``) optimizer state: SkewAdam's,
       any optax optimizer's, or a chain / wrapper containing them.
-    router: patterns attributing non-SkewAdam leaves to the router tier.
-    expert: patterns attributing non-SkewAdam leaves to the expert tier.
+    param_labels: the ``param_labels`` SkewAdam was built with, if not the
+      default (a tree or a callable; matched to each field by path).
+    router: patterns attributing other leaves to the router tier.
+    expert: patterns attributing other leaves to the expert tier.
 
   Returns:
     ``{"backbone", "expert", "router", "other", "total"}`` in bytes; the first
@@ -73,8 +78,15 @@ def state_bytes_by_tier(state, *, router=labels_lib.DEFAULT_ROUTER_PATTERNS,
   for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_skew)[0]:
     if is_skew(leaf):
       totals[OTHER] += leaf_bytes(leaf.count)
-      for tier in labels_lib.TIERS:
-        totals[tier] += tree_bytes(getattr(leaf, tier))
+      for name in transform.FIELDS:
+        field = getattr(leaf, name)
+        if param_labels is None:
+          tiers = [labels_lib.label_path(p, router=router, expert=expert)
+                   for p in labels_lib.flatten_with_paths(field)[0]]
+        else:
+          tiers = labels_lib.resolve_labels(param_labels, field)
+        for tier, x in zip(tiers, jax.tree.leaves(field)):
+          totals[tier] += leaf_bytes(x)
       continue
     nbytes = leaf_bytes(leaf)
     if math.prod(getattr(leaf, "shape", ())) <= 1:
@@ -93,6 +105,7 @@ def abstract_state_bytes_by_tier(tx, params, **patterns) -> dict[str, int]:
   Args:
     tx: any optax ``GradientTransformation``.
     params: parameters or a matching tree of ``jax.ShapeDtypeStruct``.
-    **patterns: ``router`` / ``expert`` patterns for non-SkewAdam states.
+    **patterns: ``param_labels``, ``router`` / ``expert`` patterns, as in
+      :func:`state_bytes_by_tier`.
   """
   return state_bytes_by_tier(jax.eval_shape(tx.init, params), **patterns)

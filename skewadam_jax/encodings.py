@@ -4,15 +4,19 @@ Each step SkewAdam decodes the stored momentum to float32, forms the new
 momentum ``m_t = b1·m_{t−1} + (1 − b1)·g_t`` exactly, uses it for this step's
 update, and encodes it for the next step. Only the carried momentum is lossy.
 
-| name   | stored as                                              | bytes / param                |
-|--------|--------------------------------------------------------|------------------------------|
-| fp32   | float32 array                                          | 4                            |
-| bf16   | bfloat16 array                                         | 2                            |
-| int8   | int8 codes + one float32 absmax scale per block of the | 1 + 4 / block_size           |
-|        | last axis (default block 256)                          | (1.016 at 256)               |
-| sign   | 1 sign bit (packed uint8 along the last axis) + float32| 1/8 + 4·(R + C)/(R·C)        |
-|        | row and column means of ``|m|`` of each ``[R, C]``     | (≈ 0.128 for 1024 × 1400)    |
-| none   | nothing: no momentum (``m_t = g_t``, Adafactor-style)  | 0                            |
+An encoding stores a leaf's momentum in up to four arrays, each kept in the
+field of that name of :class:`~skewadam_jax.ScaleBySkewAdamState` (every field
+is a tree shaped like the parameters):
+
+| name   | ``mu``                                     | other fields                                   | bytes / param          |
+|--------|--------------------------------------------|------------------------------------------------|------------------------|
+| fp32   | float32 values                             |                                                | 4                      |
+| bf16   | bfloat16 values                            |                                                | 2                      |
+| int8   | int8 codes                                 | ``mu_scale``: float32 absmax per block of      | 1 + 4 / block_size     |
+|        |                                            | ``block_size`` along the matrix's columns      | (1.016 at 256)         |
+| sign   | sign bits, packed 8 to a uint8 along the   | ``mu_row``, ``mu_col``: float32 row and column | 1/8 + 4·(R + C)/(R·C)  |
+|        | columns (1 = negative)                     | means of ``|m|`` of each matrix                | (≈ 0.128 for 1024²)    |
+| none   | nothing: no momentum (``m_t = g_t``)       |                                                | 0                      |
 
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
 
@@ -23,132 +27,130 @@ Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
   ``|x̃|`` has the same mean as in ``|x|``; exact when ``|x|`` is rank one
   (see :mod:`skewadam_jax.factored`).
 
-``sign`` needs a matrix and ``int8`` a vector: smaller leaves configured for
-them are stored as fp32 instead (they are tiny: biases, norms, scalars).
+``sign`` and ``int8`` are *matrix* encodings: they run along the declared
+matrix axes (:mod:`skewadam_jax.axes`), and a leaf declared a vector stores
+fp32 instead. Neither pads: a last block shorter than ``block_size`` gets its
+own scale, so no padded copy of the momentum is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
+from skewadam_jax import _explicit
 from skewadam_jax import factored
+from skewadam_jax.axes import MatrixAxes
 
 ENCODINGS = ("fp32", "bf16", "int8", "sign", "none")
+MOMENTUM_FIELDS = ("mu", "mu_scale", "mu_row", "mu_col")
 
-
-class Int8Momentum(NamedTuple):
-  """Block-quantised momentum.
-
-  Attributes:
-    codes: int8, the shape of the parameter.
-    scale: float32 ``[..., ceil(C / block_size)]``: each block's absmax.
-  """
-  codes: jax.Array
-  scale: jax.Array
-
-
-class SignMomentum(NamedTuple):
-  """1-bit sign with a factored magnitude.
-
-  Attributes:
-    bits: uint8 ``[..., R, ceil(C / 8)]``: sign bits packed along the last axis
-      (1 = negative).
-    magnitude: :class:`~skewadam_jax.factored.FactoredMoment` of ``|m|``.
-  """
-  bits: jax.Array
-  magnitude: factored.FactoredMoment
+Parts = dict  # field name -> array, for the fields an encoding uses
 
 
 @dataclasses.dataclass(frozen=True)
 class MomentumEncoding:
-  """Base class: ``init``, ``encode`` and ``decode`` one leaf's momentum."""
+  """Base class: ``encode`` and ``decode`` one leaf's momentum.
+
+  ``encode(m, axes)`` returns a dict from field names
+  (:data:`MOMENTUM_FIELDS`) to arrays; ``decode(parts, axes)`` inverts it to
+  float32. ``axes`` is the leaf's :class:`~skewadam_jax.axes.MatrixAxes`
+  (non-negative), ``None`` for a vector.
+  """
 
   name = "base"
-  min_ndim = 0  # leaves with fewer dimensions are stored as fp32 instead
+  matrix_only = False  # leaves declared vectors use fp32 instead
 
-  def init(self, shape: tuple[int, ...]) -> Any:
-    """The encoding of an all-zero momentum of ``shape``."""
-    return self.encode(jnp.zeros(shape, jnp.float32))
-
-  def encode(self, m: jax.Array) -> Any:
+  def encode(self, m: jax.Array, axes: Optional[MatrixAxes]) -> Parts:
     raise NotImplementedError
 
-  def decode(self, state: Any) -> jax.Array:
+  def decode(self, parts: Parts, axes: Optional[MatrixAxes]) -> jax.Array:
     raise NotImplementedError
 
-  def bytes_per_param(self, shape: tuple[int, ...]) -> float:
+  def bytes_per_param(self, shape: tuple[int, ...],
+                      axes: Optional[MatrixAxes] = None) -> float:
     """Bytes of state per parameter for a leaf of ``shape``."""
-    state = jax.eval_shape(lambda: self.init(tuple(shape)))
-    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    if axes is None and len(shape) >= 2:
+      axes = MatrixAxes(len(shape) - 2, len(shape) - 1)
+    parts = jax.eval_shape(lambda: self.encode(jnp.zeros(shape, jnp.float32), axes))
+    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(parts))
     return nbytes / max(1, math.prod(shape))
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseEncoding(MomentumEncoding):
-  """The momentum as a plain array of ``dtype`` (fp32 or bf16)."""
+  """The momentum as a plain array of ``dtype`` (fp32, bf16, or complex64)."""
   dtype: Any = jnp.float32
 
   @property
   def name(self):
-    return "bf16" if jnp.dtype(self.dtype) == jnp.bfloat16 else "fp32"
+    return {jnp.dtype(jnp.bfloat16): "bf16",
+            jnp.dtype(jnp.complex64): "complex64"}.get(jnp.dtype(self.dtype), "fp32")
 
-  def init(self, shape):
-    return jnp.zeros(shape, self.dtype)
+  def encode(self, m, axes=None):
+    return {"mu": m.astype(self.dtype)}
 
-  def encode(self, m):
-    return m.astype(self.dtype)
-
-  def decode(self, state):
-    return state.astype(jnp.float32)
+  def decode(self, parts, axes=None):
+    mu = parts["mu"]
+    return mu.astype(jnp.complex64 if jnp.iscomplexobj(mu) else jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8BlockEncoding(MomentumEncoding):
-  """int8 codes with one float32 absmax scale per block of the last axis.
+  """int8 codes with one float32 absmax scale per block along the columns.
 
   ``codes = round(127·m / absmax(block))``; blocks never straddle rows, so a
   leaf's blocks stay with their expert and layer when the leaf is sharded.
   """
   block_size: int = 256
   name = "int8"
-  min_ndim = 1
+  matrix_only = True
 
-  def _blocks(self, x):
-    cols = x.shape[-1]
-    num_blocks = -(-cols // self.block_size)
-    pad = num_blocks * self.block_size - cols
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(x.shape[:-1] + (num_blocks, self.block_size))
+  def _num_blocks(self, cols: int) -> int:
+    return -(-cols // self.block_size)
 
-  def encode(self, m):
-    blocks = self._blocks(m.astype(jnp.float32))
-    scale = jnp.max(jnp.abs(blocks), axis=-1)
+  def _per_element(self, scale, axis: int, cols: int):
+    """Each block's scale repeated over its elements (fused by XLA, not stored)."""
+    return _explicit.take(jnp.repeat(scale, self.block_size, axis=axis,
+                                     total_repeat_length=self._num_blocks(cols) * self.block_size),
+                          axis, 0, cols)
+
+  def encode(self, m, axes):
+    axis, cols = axes.cols, m.shape[axes.cols]
+    m = m.astype(jnp.float32)
+    full = cols // self.block_size
+    pieces = []
+    if full:
+      body = _explicit.take(m, axis, 0, full * self.block_size)
+      body = _explicit.split_axis(body, axis, full, self.block_size)
+      pieces.append(jnp.max(jnp.abs(body), axis=axis + 1))
+    if cols % self.block_size:
+      tail = _explicit.take(m, axis, full * self.block_size, cols)
+      pieces.append(jnp.max(jnp.abs(tail), axis=axis, keepdims=True))
+    if not pieces:  # no columns: no blocks
+      scale = jnp.zeros(m.shape[:axis] + (0,) + m.shape[axis + 1:], jnp.float32)
+    else:
+      scale = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
     safe = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.round(blocks * (127.0 / safe[..., None])).astype(jnp.int8)
-    codes = codes.reshape(codes.shape[:-2] + (-1,))[..., :m.shape[-1]]
-    return Int8Momentum(codes=codes, scale=scale)
+    step = _explicit.like(self._per_element(127.0 / safe, axis, cols), m)
+    return {"mu": jnp.round(m * step).astype(jnp.int8), "mu_scale": scale}
 
-  def decode(self, state):
-    codes = state.codes
-    blocks = self._blocks(codes.astype(jnp.float32))
-    values = blocks * (state.scale / 127.0)[..., None]
-    return values.reshape(values.shape[:-2] + (-1,))[..., :codes.shape[-1]]
+  def decode(self, parts, axes):
+    codes = parts["mu"]
+    axis, cols = axes.cols, codes.shape[axes.cols]
+    step = _explicit.like(self._per_element(parts["mu_scale"] / 127.0, axis, cols), codes)
+    return codes.astype(jnp.float32) * step
 
 
 @dataclasses.dataclass(frozen=True)
 class SignEncoding(MomentumEncoding):
   """Packed sign bits times a rank-one estimate of ``|m|`` per matrix."""
   name = "sign"
-  min_ndim = 2
-
-  def encode(self, m):
-    bits = jnp.packbits(m < 0, axis=-1)
-    return SignMomentum(bits=bits, magnitude=factored.row_col_means(jnp.abs(m)))
+  matrix_only = True
 
   @staticmethod
   def bit_weights(m: jax.Array) -> jax.Array:
@@ -164,10 +166,37 @@ class SignEncoding(MomentumEncoding):
     weight = jnp.left_shift(jnp.uint8(1), (7 - position).astype(jnp.uint8))
     return jnp.where(m < 0, weight, jnp.uint8(0))
 
-  def decode(self, state):
-    cols = state.magnitude.col.shape[-1]
-    negative = jnp.unpackbits(state.bits, axis=-1, count=cols).astype(bool)
-    magnitude = factored.rank_one(state.magnitude.row, state.magnitude.col)
+  @staticmethod
+  def pack(negative: jax.Array, axis: int) -> jax.Array:
+    """Packs booleans 8 to a byte along ``axis`` (big-endian, as ``jnp.packbits``)."""
+    size = negative.shape[axis]
+    groups = -(-size // factored.GROUP)
+    if groups * factored.GROUP != size:
+      pad = [(0, 0)] * negative.ndim
+      pad[axis] = (0, groups * factored.GROUP - size)
+      negative = jnp.pad(negative, pad)
+    grouped = _explicit.split_axis(negative.astype(jnp.uint8), axis, groups, factored.GROUP)
+    shift = (7 - jnp.arange(factored.GROUP)).astype(jnp.uint8)
+    shift = shift.reshape((factored.GROUP,) + (1,) * (negative.ndim - axis - 1))
+    return jnp.sum(jnp.left_shift(grouped, shift), axis=axis + 1, dtype=jnp.uint8)
+
+  @staticmethod
+  def unpack(bits: jax.Array, axis: int, size: int) -> jax.Array:
+    """The first ``size`` booleans along ``axis`` of :meth:`pack`'s bytes."""
+    shift = (7 - jnp.arange(factored.GROUP)).astype(jnp.uint8)
+    shift = shift.reshape((factored.GROUP,) + (1,) * (bits.ndim - axis - 1))
+    expanded = jnp.right_shift(jnp.expand_dims(bits, axis + 1), shift) & 1
+    merged = expanded.reshape(bits.shape[:axis] + (-1,) + bits.shape[axis + 1:])
+    return _explicit.take(merged, axis, 0, size).astype(bool)
+
+  def encode(self, m, axes):
+    row, col = factored.row_col_means(jnp.abs(m), axes)
+    return {"mu": self.pack(m < 0, axes.cols), "mu_row": row, "mu_col": col}
+
+  def decode(self, parts, axes):
+    magnitude = factored.rank_one(parts["mu_row"], parts["mu_col"], axes)
+    negative = _explicit.like(
+        self.unpack(parts["mu"], axes.cols, magnitude.shape[axes.cols]), magnitude)
     return jnp.where(negative, -magnitude, magnitude)
 
 

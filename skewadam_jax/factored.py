@@ -1,20 +1,24 @@
-"""Factored (rank-one) statistics over the last two axes of a tensor.
+"""Factored (rank-one) statistics over two declared axes of a tensor.
 
-For a tensor ``x`` of shape ``[..., R, C]`` the row statistic is the mean over
-the last axis and the column statistic the mean over the second-to-last axis::
+For a tensor ``x`` whose matrix axes are ``(rows, cols)`` (see
+:class:`~skewadam_jax.axes.MatrixAxes`; every other axis is a batch axis) the
+row statistic is the mean over the columns and the column statistic the mean
+over the rows, both kept with the reduced axis as length 1::
 
-    row[..., i] = mean_j x[..., i, j]        col[..., j] = mean_i x[..., i, j]
+    row[..., i, 0] = mean_j x[..., i, j]        col[..., 0, j] = mean_i x[..., i, j]
 
-and the rank-one reconstruction is::
+(drawn for ``rows, cols = -2, -1``), and the rank-one reconstruction is::
 
-    x̂[..., i, j] = row[..., i] * col[..., j] / mean_i row[..., i]
+    x̂[..., i, j] = row[..., i, 0] * col[..., 0, j] / mean_i row[..., i, 0]
 
 which is exact when ``x`` is a non-negative rank-one matrix, and always has the
-same row and column means as ``x``. Every leading axis (layer, expert) is a
-batch axis: each ``[R, C]`` matrix is factored on its own. This is the
-estimator of Adafactor (Shazeer & Stern, 2018) restricted to *explicit* axes;
-optax's Adafactor instead factors the two largest axes, which for an expert
-bank ``[E, d_in, d_out]`` with ``E`` among the two largest mixes experts.
+same row and column means as ``x``. Each matrix on the batch axes is factored
+on its own. This is Adafactor's estimator (Shazeer & Stern, 2018) restricted
+to *declared* axes; optax's Adafactor instead factors the two largest axes,
+which for an expert bank ``[E, d_in, d_out]`` with ``E`` among the two largest
+mixes experts. Keeping the reduced axis makes every statistic the same rank as
+its parameter, so its sharding follows the parameter's axis for axis
+(:mod:`skewadam_jax.sharding`), and the reconstruction is plain broadcasting.
 
 :func:`row_col_means` computes the statistics as two plain reductions, which
 XLA:GPU and XLA:TPU fuse with the elementwise work that produces ``x``.
@@ -22,16 +26,18 @@ XLA:GPU and XLA:TPU fuse with the elementwise work that produces ``x``.
 number of same-shape tensors (plus sums over groups of 8 along the last axis,
 the shape of packed sign bits): XLA:CPU does not fuse a producer into a plain
 reduction, so there the grouped form saves materialising each ``x`` and
-reading it twice.
+reading it twice. It covers matrices over the last two axes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+
+from skewadam_jax.axes import MatrixAxes
 
 # A floor for the normaliser mean_i row: all-zero statistics reconstruct to 0.
 _TINY = 1e-30
@@ -40,27 +46,33 @@ _TINY = 1e-30
 GROUP = 8
 
 
-class FactoredMoment(NamedTuple):
-  """Row and column statistics of a ``[..., R, C]`` tensor.
-
-  Attributes:
-    row: shape ``[..., R]``.
-    col: shape ``[..., C]``.
-  """
-  row: jax.Array
-  col: jax.Array
-
-
-def factored_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def factored_shapes(shape, axes: MatrixAxes) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Shapes of the row and column statistics of a tensor of ``shape``."""
-  if len(shape) < 2:
-    raise ValueError(f"Factoring needs at least 2 dimensions, got shape {shape}.")
-  return tuple(shape[:-1]), tuple(shape[:-2]) + (shape[-1],)
+  row, col = list(shape), list(shape)
+  row[axes.cols] = 1
+  col[axes.rows] = 1
+  return tuple(row), tuple(col)
 
 
-def row_col_means(x: jax.Array) -> FactoredMoment:
-  """Row and column means of ``x`` over its last two axes."""
-  return FactoredMoment(row=jnp.mean(x, axis=-1), col=jnp.mean(x, axis=-2))
+def safe_mean(x: jax.Array, axis: int) -> jax.Array:
+  """Mean over ``axis`` (kept as length 1); 0, not NaN, over an empty axis."""
+  return jnp.sum(x, axis=axis, keepdims=True) / max(1, x.shape[axis])
+
+
+def row_col_means(x: jax.Array, axes: MatrixAxes) -> tuple[jax.Array, jax.Array]:
+  """Row and column means of ``x`` over its matrix axes."""
+  return safe_mean(x, axes.cols), safe_mean(x, axes.rows)
+
+
+def rank_one(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.Array:
+  """Rank-one reconstruction ``row * col / mean_rows(row)`` by broadcasting."""
+  norm = jnp.maximum(safe_mean(row, axes.rows), _TINY)
+  return (row / norm) * col
+
+
+def ema(old: jax.Array, mean: jax.Array, decay) -> jax.Array:
+  """``decay·old + (1 − decay)·mean``, stored in ``old``'s dtype."""
+  return (decay * old.astype(jnp.float32) + (1 - decay) * mean).astype(old.dtype)
 
 
 def _sum_groups(xs: Sequence[jax.Array], axis: int) -> tuple[jax.Array, ...]:
@@ -104,14 +116,14 @@ def _variadic_sum(grouped: tuple[jax.Array, ...], axis: int) -> tuple[jax.Array,
 
 def row_col_means_grouped(
     xs: Sequence[jax.Array], last_axis_group_sums: Sequence[jax.Array] = (),
-) -> tuple[list[FactoredMoment], list[jax.Array]]:
-  """Row and column means of several tensors, in two passes over them.
+) -> tuple[list[tuple[jax.Array, jax.Array]], list[jax.Array]]:
+  """Row and column means of several ``[..., R, C]`` tensors, in two passes.
 
   The first pass sums every ``x`` (and every tensor of
   ``last_axis_group_sums``) over groups of 8 consecutive columns, the second
   over groups of 8 consecutive rows; small reductions of those partial sums
-  give the means. Equal to ``[row_col_means(x) for x in xs]`` up to the order
-  of summation.
+  give the means. Equal to ``[row_col_means(x, MatrixAxes(-2, -1)) ...]`` up
+  to the order of summation (axes given as non-negative, like theirs).
 
   Args:
     xs: float tensors, all of one shape ``[..., R, C]``.
@@ -119,36 +131,15 @@ def row_col_means_grouped(
       along the last axis are wanted as well (zero-padded to a multiple of 8).
 
   Returns:
-    ``(means, group_sums)``: a :class:`FactoredMoment` per ``x``, and an
-    ``[..., R, ceil(C / 8)]`` array per tensor of ``last_axis_group_sums``.
+    ``(means, group_sums)``: a ``(row, col)`` pair per ``x`` (shapes
+    ``[..., R, 1]`` and ``[..., 1, C]``), and an ``[..., R, ceil(C / 8)]``
+    array per tensor of ``last_axis_group_sums``.
   """
   rows, cols = xs[0].shape[-2:]
   extras = tuple(last_axis_group_sums)
   by_columns = _sum_groups(tuple(xs) + extras, axis=-1)
   by_rows = _sum_groups(tuple(xs), axis=-2)
-  means = [FactoredMoment(row=partial_row.sum(-1) / cols, col=partial_col.sum(-2) / rows)
+  means = [(partial_row.sum(-1, keepdims=True) / max(1, cols),
+            partial_col.sum(-2, keepdims=True) / max(1, rows))
            for partial_row, partial_col in zip(by_columns, by_rows)]
   return means, list(by_columns[len(xs):])
-
-
-def rank_one(row: jax.Array, col: jax.Array) -> jax.Array:
-  """Rank-one reconstruction ``row[..., :, None] * col[..., None, :] / mean(row)``."""
-  norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True), _TINY)
-  return (row / norm)[..., :, None] * col[..., None, :]
-
-
-def init_factored(shape: tuple[int, ...], dtype=jnp.float32) -> FactoredMoment:
-  """Zero row and column statistics for a tensor of ``shape``."""
-  row_shape, col_shape = factored_shapes(shape)
-  return FactoredMoment(row=jnp.zeros(row_shape, dtype), col=jnp.zeros(col_shape, dtype))
-
-
-def ema_factored(state: FactoredMoment, means: FactoredMoment, decay) -> FactoredMoment:
-  """Exponential moving average of row and column means (of ``x``, say).
-
-  ``row ← decay·row + (1 − decay)·mean_j x``, and likewise for ``col``, with
-  ``means`` from :func:`row_col_means` or :func:`row_col_means_grouped`.
-  """
-  return FactoredMoment(
-      row=(decay * state.row + (1 - decay) * means.row).astype(state.row.dtype),
-      col=(decay * state.col + (1 - decay) * means.col).astype(state.col.dtype))

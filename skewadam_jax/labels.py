@@ -6,16 +6,33 @@ Every leaf of a parameter pytree is labelled ``"backbone"``, ``"expert"`` or
 the style of big_vision's parameter routing: router patterns first, then expert
 patterns; everything else is backbone.
 
+Pattern sets for common parameter trees (pass them as
+``functools.partial(moe_param_labels, **PATTERNS[name])`` or through
+:func:`label_fn`):
+
+| name | expert leaves | router leaves |
+|---|---|---|
+| ``"default"`` (this project's model) | a path component ``experts`` | a path component ``router`` |
+| ``"hf_mixtral"`` (Hugging Face Mixtral: ``.../block_sparse_moe/experts/3/w1/kernel``, one 2-D leaf per expert) | ``block_sparse_moe/experts/`` | ``block_sparse_moe/gate`` |
+| ``"maxtext"`` (MaxText ``MoeBlock_0/wi_0`` ``[E, d, f]``, ``wi_1``, ``wo``; router ``MoeBlock_0/gate/kernel``) | ``MoeBlock_N/wi_0``, ``wi_1``, ``wo`` | ``MoeBlock_N/gate`` |
+
 Labels must depend on the *structure* of the tree only (paths, not values),
 because optax calls label functions on the parameters in ``init`` and on the
 updates in ``update``. Flax NNX states flatten to paths that may end in a
 ``value`` component in one call and not in the other; :func:`path_to_str`
 drops that trailing component so both calls see the same path.
+
+Per-leaf specifications (labels here, matrix axes in :mod:`skewadam_jax.axes`)
+are matched to leaves by path (:func:`spec_per_leaf`): a specification tree
+may be the parameter tree itself, any prefix of it (a single ``"expert"``
+labels every leaf), or a tree whose containers differ in type (a plain dict
+for an ``nnx.State``), as long as its paths name the parameters.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -29,8 +46,16 @@ TIERS = (BACKBONE, EXPERT, ROUTER)
 DEFAULT_ROUTER_PATTERNS = (r"(^|/)router(/|$)",)
 DEFAULT_EXPERT_PATTERNS = (r"(^|/)experts(/|$)",)
 
+PATTERNS = {
+    "default": {"router": DEFAULT_ROUTER_PATTERNS, "expert": DEFAULT_EXPERT_PATTERNS},
+    "hf_mixtral": {"router": (r"(^|/)block_sparse_moe/gate(/|$)",),
+                   "expert": (r"(^|/)block_sparse_moe/experts/",)},
+    "maxtext": {"router": (r"(^|/)MoeBlock_\d+/gate(/|$)",),
+                "expert": (r"(^|/)MoeBlock_\d+/(wi_0|wi_1|wo)(/|$)",)},
+}
+
 Patterns = Union[str, Sequence[str]]
-LabelSpec = Union[None, Any, Callable[[Any], Any]]
+LabelSpec = Union[None, str, Any, Callable[[Any], Any]]
 
 
 def _key_to_str(key) -> str:
@@ -38,6 +63,14 @@ def _key_to_str(key) -> str:
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
+
+
+def path_parts(path) -> tuple[str, ...]:
+  """The components of a key path as strings, without a trailing ``value``."""
+  parts = [_key_to_str(k) for k in path]
+  if parts and parts[-1] == "value":
+    parts = parts[:-1]
+  return tuple(parts)
 
 
 def path_to_str(path) -> str:
@@ -56,29 +89,59 @@ def path_to_str(path) -> str:
     >>> path_to_str(p)
     'a/0'
   """
-  parts = [_key_to_str(k) for k in path]
-  if parts and parts[-1] == "value":
-    parts = parts[:-1]
-  return "/".join(parts)
+  return "/".join(path_parts(path))
 
 
-def flatten_with_paths(tree) -> tuple[list[str], list[Any], Any]:
-  """Flattens ``tree`` into (paths, leaves, treedef), paths as strings.
+def flatten_with_paths(tree, is_leaf=None) -> tuple[list[str], list[Any], Any]:
+  """Flattens ``tree`` into (paths, leaves, treedef), paths as strings."""
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  return ([path_to_str(p) for p, _ in path_leaves],
+          [leaf for _, leaf in path_leaves], treedef)
+
+
+def spec_per_leaf(spec, tree, *, what: str, is_spec_leaf=None) -> list[Any]:
+  """One entry of ``spec`` per leaf of ``tree``, matched by path.
+
+  Each leaf takes the entry of ``spec`` whose path is the longest prefix
+  (component-wise) of the leaf's path; a single non-container ``spec`` applies
+  to every leaf.
+
+  Args:
+    spec: a tree of entries whose paths name leaves (or subtrees) of ``tree``.
+    tree: parameters or updates.
+    what: what the entries are, for error messages (``"param_labels"``).
+    is_spec_leaf: marks entries that are themselves pytrees (``None``,
+      NamedTuples) as leaves of ``spec``.
+
+  Returns:
+    The entries in ``tree``'s flattening order.
 
   Raises:
-    ValueError: if two leaves map to the same path string.
+    ValueError: if a leaf has no entry (naming its path) or an entry names no
+      leaf of ``tree`` (naming the entry's path).
   """
-  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  paths = [path_to_str(p) for p, _ in path_leaves]
-  leaves = [leaf for _, leaf in path_leaves]
-  seen = set()
-  for path in paths:
-    if path in seen:
+  flat, _ = jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_spec_leaf)
+  entries = {path_parts(p): value for p, value in flat}
+  paths = [path_parts(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  out, used = [], set()
+  for parts in paths:
+    for end in range(len(parts), -1, -1):
+      if parts[:end] in entries:
+        out.append(entries[parts[:end]])
+        used.add(parts[:end])
+        break
+    else:
+      missing = ["/".join(p) for p in paths
+                 if not any(p[:e] in entries for e in range(len(p) + 1))]
       raise ValueError(
-          f"Two parameter leaves share the path {path!r}; SkewAdam keys its "
-          "state by path, so paths must be unique.")
-    seen.add(path)
-  return paths, leaves, treedef
+          f"{what} does not match the parameter tree: no entry for "
+          f"{missing[:3]} ({len(entries)} entries for {len(paths)} leaves).")
+  unused = sorted("/".join(p) for p in set(entries) - used)
+  if unused and paths:
+    raise ValueError(
+        f"{what} does not match the parameter tree: entries for paths not in "
+        f"the parameters {unused[:3]}.")
+  return out
 
 
 def _compile(patterns: Patterns) -> list[re.Pattern]:
@@ -106,7 +169,7 @@ def moe_param_labels(tree, *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
   pattern is ``"expert"``; every other leaf, including a bare array, is
   ``"backbone"``. The defaults match a path component exactly named
   ``router`` or ``experts``, e.g. ``layers/moe/router/kernel`` and
-  ``layers/moe/experts/w_up``.
+  ``layers/moe/experts/w_up``; :data:`PATTERNS` holds sets for other trees.
 
   Args:
     tree: parameters or updates (arrays, ``jax.ShapeDtypeStruct`` or Flax NNX
@@ -130,47 +193,62 @@ def moe_param_labels(tree, *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
       tree)
 
 
-def resolve_labels(param_labels: LabelSpec, tree) -> tuple[list[str], list[Any], list[str], Any]:
-  """Resolves ``param_labels`` against ``tree``.
+def label_fn(name: str) -> Callable[[Any], Any]:
+  """The labeller for one of the :data:`PATTERNS` sets, e.g. ``"maxtext"``.
 
-  Args:
-    param_labels: ``None`` (use :func:`moe_param_labels`), a pytree of tier
-      names with the structure of ``tree``, or a callable mapping ``tree`` to
-      such a pytree.
-    tree: parameters or updates.
-
-  Returns:
-    ``(paths, leaves, labels, treedef)`` with one label per leaf, in flattening
-    order.
+  Pass it as ``param_labels`` (and, under ``optax.inject_hyperparams``, name
+  ``param_labels`` in ``static_args``).
 
   Raises:
-    ValueError: if the labels do not match the tree leaf for leaf (naming the
-      first differing path), or a label is not a tier name (naming its path).
+    ValueError: for a name not in :data:`PATTERNS`.
   """
-  paths, leaves, treedef = flatten_with_paths(tree)
+  if name not in PATTERNS:
+    raise ValueError(f"Unknown pattern set {name!r}; expected one of {sorted(PATTERNS)}.")
+  patterns = PATTERNS[name]
+  return lambda tree: moe_param_labels(tree, **patterns)
+
+
+def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list[str]:
+  """The tier of every leaf of ``tree``, in flattening order.
+
+  Args:
+    param_labels: ``None`` (use :func:`moe_param_labels`), a tier name for
+      every leaf, a pytree of tier names whose paths name the leaves (the
+      parameter tree or a prefix of it), or a callable mapping ``tree`` to
+      such a pytree.
+    tree: parameters or updates.
+    warn: with ``param_labels=None``, warn when the default patterns label no
+      leaf ``"expert"`` or none ``"router"`` (the tree probably names its
+      expert bank differently, and everything would be backbone).
+
+  Returns:
+    One tier name per leaf.
+
+  Raises:
+    ValueError: if the labels do not match the tree (naming the first
+      unmatched path), or a label is not a tier (naming its path).
+  """
   if param_labels is None:
     labels_tree = moe_param_labels(tree)
   elif callable(param_labels):
     labels_tree = param_labels(tree)
   else:
     labels_tree = param_labels
-  label_paths, labels, _ = flatten_with_paths(labels_tree)
-  if label_paths != paths:
-    missing = sorted(set(paths) - set(label_paths))
-    extra = sorted(set(label_paths) - set(paths))
-    detail = []
-    if missing:
-      detail.append(f"no label for {missing[:3]}")
-    if extra:
-      detail.append(f"labels for paths not in the parameters {extra[:3]}")
-    if not detail:
-      detail.append("leaves are in a different order")
-    raise ValueError(
-        "param_labels does not match the parameter tree: " + "; ".join(detail)
-        + f" ({len(labels)} labels for {len(leaves)} leaves).")
+  labels = spec_per_leaf(labels_tree, tree, what="param_labels")
+  paths, _, _ = flatten_with_paths(tree)
   for path, label in zip(paths, labels):
-    if label not in TIERS:
+    if not isinstance(label, str) or label not in TIERS:
       raise ValueError(
           f"Parameter {path!r} has label {label!r}, which is not a tier; "
           f"expected one of {TIERS}.")
-  return paths, leaves, labels, treedef
+  if warn and param_labels is None and labels:
+    unmatched = [t for t in (EXPERT, ROUTER) if t not in labels]
+    if unmatched:
+      warnings.warn(
+          f"SkewAdam's default labeller found no {' and no '.join(unmatched)} "
+          f"leaf among {len(labels)} parameters (patterns "
+          f"{DEFAULT_EXPERT_PATTERNS + DEFAULT_ROUTER_PATTERNS}); every such "
+          "leaf is in the backbone tier. Pass param_labels (e.g. "
+          "skewadam_jax.labels.label_fn('maxtext') or 'hf_mixtral') if the "
+          "tree names its experts or router differently.", stacklevel=5)
+  return labels

@@ -3,7 +3,7 @@
 Adam keeps, for every parameter, a momentum ``m`` and a second moment ``v``::
 
     m_t = b1·m_{t−1} + (1 − b1)·g_t          m̂_t = m_t / (1 − b1^t)
-    v_t = b2·v_{t−1} + (1 − b2)·g_t²         v̂_t = v_t / (1 − b2^t)
+    v_t = b2·v_{t−1} + (1 − b2)·|g_t|²       v̂_t = v_t / (1 − b2^t)
     u_t = m̂_t / (√(v̂_t + eps_root) + eps)
 
 SkewAdam computes the same ``u_t`` but lets each *tier* of a Mixture-of-Experts
@@ -12,41 +12,61 @@ model store ``m`` and ``v`` in its own form (see :class:`TierConfig`):
 * ``backbone`` (embeddings, attention, norms, unembedding): bf16 momentum and
   a factored ``v`` for matrices (exact for vectors) by default; fp32 momentum
   and an exact ``v`` make it Adam's.
-* ``expert`` (the stacked expert bank ``[..., E, d_in, d_out]``): a compact
-  momentum encoding (:mod:`skewadam_jax.encodings`, default 1-bit sign with a
-  factored magnitude) and a factored ``v`` per expert matrix: row and column
-  EMAs of ``g² + factored_eps`` over the last two axes, reconstructed as
-  ``v ≈ row·colᵀ / mean(row)`` (:mod:`skewadam_jax.factored`). Every leading
-  axis (layer, expert) is a batch axis.
+* ``expert`` (the expert bank): a compact momentum encoding
+  (:mod:`skewadam_jax.encodings`, default 1-bit sign with a factored
+  magnitude) and a factored ``v`` per matrix: row and column EMAs of
+  ``g² + factored_eps``, reconstructed as ``v ≈ row·colᵀ / mean(row)``
+  (:mod:`skewadam_jax.factored`).
 * ``router`` (gating weights): fp32 momentum and exact ``v``.
 
-Tiers are assigned by labels on the parameter pytree (:mod:`skewadam_jax.labels`).
-The state keeps each tier's moments in a dict keyed by the ``/``-joined
-parameter path, so the state says which tier holds what and how many bytes
-it takes (:mod:`skewadam_jax.accounting`).
+Tiers are assigned by labels on the parameter pytree (:mod:`skewadam_jax.labels`);
+which two axes of a leaf form its matrix is declared separately
+(:mod:`skewadam_jax.axes`; default: the last two of a leaf with ``ndim >= 2``).
+Every other axis (layer, expert) is a batch axis. A leaf declared a vector has
+an exact ``v`` and dense momentum in every tier.
+
+The state is shaped like the parameters, as optax's own states are: each
+field of :class:`ScaleBySkewAdamState` is a tree with the parameters'
+structure, holding for every leaf the array that field stores for it, or an
+empty placeholder (shape ``(0,)``) where the leaf's form has no such array
+(as ``optax.scale_by_factored_rms`` keeps placeholders). So
+``optax.tree.map_params``, orbax and sharding derivation work on it unchanged.
+
+Complex parameters follow ``optax.scale_by_adam``: ``v`` is an EMA of
+``|g|²`` (real, factored or exact as configured) and the momentum is complex,
+stored as complex64 whatever the tier's encoding (the compact encodings are
+for real matrices).
 
 A step's reductions (the factored statistics of ``g²`` and ``|m|`` and the
 packed sign bits) are computed in the form each backend compiles best, chosen
 with ``jax.lax.platform_dependent``: plain means on GPU and TPU, two grouped
-passes on CPU (:func:`skewadam_jax.factored.row_col_means_grouped`). Both give
-the same state up to the order of summation.
+passes on CPU (:func:`skewadam_jax.factored.row_col_means_grouped`) for a
+matrix over the last two axes that is not explicitly sharded. Both give the
+same state up to the order of summation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from skewadam_jax import _explicit
+from skewadam_jax import axes as axes_lib
 from skewadam_jax import encodings
 from skewadam_jax import factored
 from skewadam_jax import labels as labels_lib
 
 SECOND_MOMENT_FORMS = ("exact", "factored")
+NU_FIELDS = ("nu", "nu_row", "nu_col")
+FIELDS = ("mu",) + NU_FIELDS + encodings.MOMENTUM_FIELDS[1:]
+# The default weight-decay mask: decay exactly the leaves declared matrices.
+MATRICES = "matrices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +80,17 @@ class TierConfig:
   Attributes:
     momentum: the momentum encoding, one of ``"fp32"``, ``"bf16"``, ``"int8"``,
       ``"sign"``, ``"none"`` (see :mod:`skewadam_jax.encodings` for bytes per
-      parameter and round-trip bounds).
+      parameter and round-trip bounds). ``"int8"`` and ``"sign"`` apply to
+      declared matrices; vectors store fp32.
     second_moment: ``"exact"`` (one value per parameter) or ``"factored"``
-      (row and column statistics over the last two axes; leaves with fewer
-      than two dimensions stay exact).
-    nu_dtype: dtype of the stored second-moment statistics.
-    int8_block_size: block length along the last axis for ``"int8"``.
+      (row and column statistics over the declared matrix axes; vectors stay
+      exact).
+    nu_dtype: dtype of the stored second-moment statistics: ``float32`` (or
+      ``float64``); ``bfloat16`` only where ``1 − b2 >= 10·eps(bfloat16)``
+      (``b2 <= 0.92``), since below that rounding to nearest stalls the EMA
+      (checked by :func:`scale_by_skewadam`). ``float16`` is refused: its
+      range underflows ``(1 − b2)·g²``.
+    int8_block_size: block length along the columns for ``"int8"``.
   """
   momentum: str = "fp32"
   second_moment: str = "exact"
@@ -84,8 +109,18 @@ class TierConfig:
       raise ValueError(
           f"Unknown second_moment {self.second_moment!r}; expected one of "
           f"{SECOND_MOMENT_FORMS}.")
-    if not jnp.issubdtype(jnp.dtype(self.nu_dtype), jnp.floating):
+    try:
+      dtype = jnp.dtype(self.nu_dtype)
+    except TypeError as e:
+      raise ValueError(f"nu_dtype must be a floating dtype, got {self.nu_dtype!r}.") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"nu_dtype must be a floating dtype, got {self.nu_dtype!r}.")
+    if dtype == jnp.float16:
+      raise ValueError(
+          "nu_dtype float16 is not supported: (1 - b2)·g² underflows its range "
+          "(smallest normal 6e-5) for ordinary gradients, and the factored "
+          "updates become orders of magnitude too large. Use float32, or a "
+          "factored second moment to save memory.")
 
 
 # The defaults were chosen by experiments/compare.py's ablation (choose_default):
@@ -99,29 +134,45 @@ DEFAULT_ROUTER = TierConfig(momentum="fp32", second_moment="exact")
 TierLike = Union[TierConfig, dict, None]
 
 
-class TierState(NamedTuple):
-  """One tier's moments, keyed by ``/``-joined parameter path.
+class ScaleBySkewAdamState(NamedTuple):
+  """State of :func:`scale_by_skewadam`: every field but ``count`` is shaped like the params.
+
+  Each leaf of a field is the array that field stores for that parameter, or
+  an empty ``(0,)`` placeholder where the parameter's form has none.
 
   Attributes:
-    mu: path → encoded momentum (absent for the ``"none"`` encoding).
-    nu: path → exact second moment (array) or
-      :class:`~skewadam_jax.factored.FactoredMoment`.
+    count: the step count, ``int32[]``.
+    mu: the momentum: fp32/bf16 values, int8 codes or packed sign bits.
+    nu: the exact second moment.
+    nu_row: the factored second moment's row statistic (columns reduced to 1).
+    nu_col: its column statistic (rows reduced to 1).
+    mu_scale: int8 block scales.
+    mu_row: the sign encoding's row means of ``|m|``.
+    mu_col: its column means of ``|m|``.
   """
-  mu: dict
-  nu: dict
-
-
-class ScaleBySkewAdamState(NamedTuple):
-  """State of :func:`scale_by_skewadam`."""
   count: jax.Array  # shape=(), dtype=jnp.int32.
-  backbone: TierState
-  expert: TierState
-  router: TierState
+  mu: optax.Updates
+  nu: optax.Updates
+  nu_row: optax.Updates
+  nu_col: optax.Updates
+  mu_scale: optax.Updates
+  mu_row: optax.Updates
+  mu_col: optax.Updates
 
 
-class _LeafPlan(NamedTuple):
-  """How one leaf is stored: resolved from its tier and its shape."""
+class LeafPlan(NamedTuple):
+  """How one leaf is stored, resolved from its tier, declared axes, shape and dtype.
+
+  Attributes:
+    tier: the leaf's tier.
+    encoding: its momentum encoding (``None``: no momentum).
+    axes: its matrix axes (non-negative), ``None`` for a vector.
+    factored: whether its second moment is factored.
+    nu_dtype: dtype of the stored second moment.
+  """
+  tier: str
   encoding: Optional[encodings.MomentumEncoding]
+  axes: Optional[axes_lib.MatrixAxes]
   factored: bool
   nu_dtype: Any
 
@@ -153,86 +204,208 @@ def _check_hyperparameters(b1, b2, eps, eps_root, factored_eps) -> None:
     raise ValueError(f"factored_eps must be >= 0, got {factored_eps}.")
 
 
-def _leaf_plan(tier: str, config: TierConfig, path: str, shape) -> _LeafPlan:
-  ndim = len(shape)
-  if tier == labels_lib.EXPERT and ndim < 3:
-    raise ValueError(
-        f"Expert parameter {path!r} has shape {tuple(shape)}; the expert tier "
-        "needs a stacked bank of at least 3 dimensions [..., E, d_in, d_out]. "
-        "Label it 'backbone' or fix its shape.")
-  encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size)
-  if encoding is not None and ndim < encoding.min_ndim:
-    encoding = encodings.DenseEncoding(jnp.float32)
-  return _LeafPlan(encoding=encoding,
-                   factored=config.second_moment == "factored" and ndim >= 2,
-                   nu_dtype=config.nu_dtype)
+def _check_nu_dtype(name: str, config: TierConfig, b2) -> None:
+  """Refuses a second-moment dtype too coarse for the EMA's increments.
 
-
-def _init_leaf(plan: _LeafPlan, shape):
-  mu = None if plan.encoding is None else plan.encoding.init(shape)
-  if plan.factored:
-    nu = factored.init_factored(shape, plan.nu_dtype)
-  else:
-    nu = jnp.zeros(shape, plan.nu_dtype)
-  return mu, nu
-
-
-def _expected_nu_shapes(plan: _LeafPlan, shape):
-  if plan.factored:
-    return factored.factored_shapes(tuple(shape))
-  return (tuple(shape),)
-
-
-def _reductions(g_sq, m, *, grouped: bool):
-  """The reductions of one step, over the last two axes of a leaf.
-
-  Returns the row and column means of each of ``g_sq`` (the factored ``v``'s
-  input, or ``None``) and ``|m|`` (the sign encoding's magnitude, when ``m`` is
-  not ``None``), and the packed sign bits of ``m`` (or ``None``).
-  ``grouped=True`` computes them all in two passes
-  (:func:`~skewadam_jax.factored.row_col_means_grouped`, for XLA:CPU);
-  otherwise as plain means and ``jnp.packbits``, which XLA:GPU and XLA:TPU fuse
-  with their producers.
+  Rounding to nearest leaves ``v`` unchanged while ``(1 − b2)·|g² − v|`` is
+  below half its spacing, i.e. while ``|g² − v| / v < eps / (2·(1 − b2))``;
+  within 5 % needs ``1 − b2 >= 10·eps``.
   """
-  xs = [x for x in (g_sq, None if m is None else jnp.abs(m)) if x is not None]
-  if grouped:
-    weights = [] if m is None else [encodings.SignEncoding.bit_weights(m)]
-    means, group_sums = factored.row_col_means_grouped(xs, weights)
-    bits = group_sums[0] if group_sums else None
-  else:
-    means = [factored.row_col_means(x) for x in xs]
-    bits = None if m is None else jnp.packbits(m < 0, axis=-1)
-  return means, bits
+  dtype = jnp.dtype(config.nu_dtype)
+  eps = float(jnp.finfo(dtype).eps)
+  if eps <= float(jnp.finfo(jnp.float32).eps):
+    return
+  try:
+    b2 = float(b2)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(
+        f"{name}.nu_dtype={dtype.name} needs a concrete b2 to check that the "
+        "EMA can move; pass b2 as a number (static under inject_hyperparams) "
+        "or use float32.") from e
+  if 1.0 - b2 < 10 * eps:
+    raise ValueError(
+        f"{name}.nu_dtype={dtype.name} cannot hold the second moment's EMA at "
+        f"b2={b2}: rounding stalls v while |g² − v|/v < {eps / (2 * (1 - b2)):.2f} "
+        f"(needs 1 − b2 >= {10 * eps:.3f}, b2 <= {1 - 10 * eps:.3f}). Use "
+        "nu_dtype=float32; a factored second moment already stores only row "
+        "and column statistics.")
 
 
-def _update_leaf(plan: _LeafPlan, g, mu, nu, *, b1, b2, eps, eps_root,
-                 factored_eps, count):
-  """One leaf's Adam step in float32; returns (update, new mu, new nu)."""
-  g32 = g.astype(jnp.float32)
+def _is_complex(leaf) -> bool:
+  return jnp.issubdtype(jnp.dtype(leaf.dtype), jnp.complexfloating)
+
+
+def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike = None,
+               expert: TierLike = None, router: TierLike = None,
+               warn: bool = False) -> list[LeafPlan]:
+  """How SkewAdam stores each leaf of ``tree``, in flattening order.
+
+  The same resolution :func:`scale_by_skewadam` makes in ``init`` and
+  ``update``: a user can print it before a long run.
+
+  Args:
+    tree: parameters (arrays or ``jax.ShapeDtypeStruct``).
+    param_labels, matrix_axes, backbone, expert, router: as in
+      :func:`scale_by_skewadam`.
+    warn: warn when the default labeller finds no expert or router leaf.
+
+  Returns:
+    A :class:`LeafPlan` per leaf.
+  """
+  configs = {
+      labels_lib.BACKBONE: _as_tier_config("backbone", backbone, DEFAULT_BACKBONE),
+      labels_lib.EXPERT: _as_tier_config("expert", expert, DEFAULT_EXPERT),
+      labels_lib.ROUTER: _as_tier_config("router", router, DEFAULT_ROUTER),
+  }
+  leaves = jax.tree.leaves(tree)
+  tiers = labels_lib.resolve_labels(param_labels, tree, warn=warn)
+  declared = axes_lib.resolve_matrix_axes(matrix_axes, tree)
+  plans = []
+  for leaf, tier, axes in zip(leaves, tiers, declared):
+    config = configs[tier]
+    encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size)
+    if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
+      encoding = encodings.DenseEncoding(
+          jnp.complex64 if _is_complex(leaf) else jnp.float32)
+    is_factored = config.second_moment == "factored" and axes is not None
+    plans.append(LeafPlan(tier=tier, encoding=encoding,
+                          axes=axes if (is_factored or (encoding is not None
+                                                        and encoding.matrix_only)) else None,
+                          factored=is_factored, nu_dtype=jnp.dtype(config.nu_dtype)))
+  return plans
+
+
+def _placeholder() -> jax.Array:
+  return jnp.zeros((0,), jnp.float32)
+
+
+def _square(g32):
+  return (g32 * jnp.conj(g32)).real if jnp.iscomplexobj(g32) else g32 * g32
+
+
+def _reductions(plan: LeafPlan, g_sq, m, *, grouped: bool):
+  """The step's reductions over the leaf's matrix axes.
+
+  Returns ``(nu_means, sign_parts)``: the row and column means of ``g_sq``
+  (or ``None``), and the sign encoding's fields for ``m`` (or ``None``).
+  ``grouped=True`` computes them in two passes
+  (:func:`~skewadam_jax.factored.row_col_means_grouped`, for XLA:CPU, matrices
+  over the last two axes only); otherwise as plain means and packing, which
+  XLA:GPU and XLA:TPU fuse with their producers.
+  """
+  sign = m is not None
+  if not grouped:
+    nu_means = None if g_sq is None else factored.row_col_means(g_sq, plan.axes)
+    return nu_means, plan.encoding.encode(m, plan.axes) if sign else None
+  xs = [x for x in (g_sq, jnp.abs(m) if sign else None) if x is not None]
+  weights = [encodings.SignEncoding.bit_weights(m)] if sign else []
+  means, group_sums = factored.row_col_means_grouped(xs, weights)
+  nu_means = means[0] if g_sq is not None else None
+  sign_parts = None
+  if sign:
+    sign_parts = {"mu": group_sums[0], "mu_row": means[-1][0], "mu_col": means[-1][1]}
+  return nu_means, sign_parts
+
+
+def _groupable(plan: LeafPlan, leaf) -> bool:
+  ndim = leaf.ndim
+  return (plan.axes == axes_lib.MatrixAxes(ndim - 2, ndim - 1)
+          and _explicit.explicit_spec(leaf) is None)
+
+
+def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
+               factored_eps, count):
+  """One leaf's Adam step in float32 (complex64); returns (update, new parts)."""
+  g32 = g.astype(jnp.complex64 if jnp.iscomplexobj(g) else jnp.float32)
   encoding = plan.encoding
   sign = isinstance(encoding, encodings.SignEncoding)
-  m = None if encoding is None else (1 - b1) * g32 + b1 * encoding.decode(mu)
+  m = None if encoding is None else (1 - b1) * g32 + b1 * encoding.decode(parts, plan.axes)
+  g_sq = _square(g32)
+  new = {}
+  nu_means = sign_parts = None
   if plan.factored or sign:
-    g_sq = g32 * g32 + factored_eps if plan.factored else None
-    m_signed = m if sign else None
-    means, bits = jax.lax.platform_dependent(
-        cpu=lambda: _reductions(g_sq, m_signed, grouped=True),
-        default=lambda: _reductions(g_sq, m_signed, grouped=False))
+    fac_sq = g_sq + factored_eps if plan.factored else None
+    m_sign = m if sign else None
+    if _groupable(plan, g):
+      nu_means, sign_parts = jax.lax.platform_dependent(
+          cpu=lambda: _reductions(plan, fac_sq, m_sign, grouped=True),
+          default=lambda: _reductions(plan, fac_sq, m_sign, grouped=False))
+    else:
+      nu_means, sign_parts = _reductions(plan, fac_sq, m_sign, grouped=False)
   if plan.factored:
-    nu = factored.ema_factored(nu, means[0], b2)
-    v = factored.rank_one(nu.row.astype(jnp.float32), nu.col.astype(jnp.float32))
+    new["nu_row"] = factored.ema(parts["nu_row"], nu_means[0], b2)
+    new["nu_col"] = factored.ema(parts["nu_col"], nu_means[1], b2)
+    v = factored.rank_one(new["nu_row"].astype(jnp.float32),
+                          new["nu_col"].astype(jnp.float32), plan.axes)
   else:
-    v = (1 - b2) * g32 * g32 + b2 * nu.astype(jnp.float32)
-    nu = v.astype(plan.nu_dtype)
+    v = (1 - b2) * g_sq + b2 * parts["nu"].astype(jnp.float32)
+    new["nu"] = v.astype(plan.nu_dtype)
   v_hat = v / (1 - b2**count)
   if encoding is None:
     m_hat = g32
   else:
-    mu = (encodings.SignMomentum(bits=bits, magnitude=means[-1]) if sign
-          else encoding.encode(m))
+    new.update(sign_parts if sign else encoding.encode(m, plan.axes))
     m_hat = m / (1 - b1**count)
   update = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-  return update.astype(g.dtype), mu, nu
+  return update.astype(g.dtype), new
+
+
+def _fresh_parts(plan: LeafPlan, leaf) -> dict:
+  """The leaf's state at step 0, computed by the step's own operations.
+
+  Used under ``jax.eval_shape`` only: the result's shapes, dtypes and (under
+  explicit sharding) shardings are exactly those ``update`` produces.
+  """
+  zeros = jnp.zeros_like(leaf, jnp.complex64 if _is_complex(leaf) else jnp.float32)
+  parts = {}
+  if plan.encoding is not None:
+    parts.update(plan.encoding.encode(zeros, plan.axes))
+  if plan.factored:
+    row, col = factored.row_col_means(_square(zeros), plan.axes)
+    parts.update(nu_row=row.astype(plan.nu_dtype), nu_col=col.astype(plan.nu_dtype))
+  else:
+    parts["nu"] = _square(zeros).astype(plan.nu_dtype)
+  return parts
+
+
+def _zeros_like_abstract(x: jax.ShapeDtypeStruct) -> jax.Array:
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None and _explicit.explicit_spec(x) is not None:
+    return jnp.zeros(x.shape, x.dtype, out_sharding=sharding)
+  return jnp.zeros(x.shape, x.dtype)
+
+
+def _abstract_leaf(leaf):
+  """A ``ShapeDtypeStruct`` of ``leaf`` with its sharding type (for eval_shape)."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return leaf
+  return jax.typeof(leaf) if isinstance(leaf, jax.Array) else jax.ShapeDtypeStruct(
+      leaf.shape, leaf.dtype)
+
+
+def _init_leaf(plan: LeafPlan, leaf) -> dict:
+  abstract = jax.eval_shape(lambda p: _fresh_parts(plan, p), _abstract_leaf(leaf))
+  return {name: _zeros_like_abstract(x) for name, x in abstract.items()}
+
+
+def _check_parts(path: str, plan: LeafPlan, leaf, parts: dict) -> None:
+  """Raises if a leaf's state is not what ``plan`` makes for it (naming the path)."""
+  expected = jax.eval_shape(lambda p: _fresh_parts(plan, p), _abstract_leaf(leaf))
+  for name in FIELDS:
+    got = parts[name]
+    want = expected.get(name)
+    want_shape, want_dtype = ((0,), jnp.dtype(jnp.float32)) if want is None else (
+        tuple(want.shape), jnp.dtype(want.dtype))
+    if tuple(got.shape) != want_shape or jnp.dtype(got.dtype) != want_dtype:
+      what = (f"momentum {plan.encoding.name if plan.encoding else 'none'}, "
+              f"second moment {'factored' if plan.factored else 'exact'} "
+              f"({plan.nu_dtype.name}), matrix axes {plan.axes}")
+      raise ValueError(
+          f"SkewAdam state for {path!r} does not match its configuration "
+          f"({what}) and the update's shape {tuple(leaf.shape)}: field {name!r} "
+          f"is {jnp.dtype(got.dtype).name}{list(got.shape)}, expected "
+          f"{want_dtype.name}{list(want_shape)}. Labels, matrix axes, tier "
+          "configs and the tree must not change between init and update.")
 
 
 def scale_by_skewadam(
@@ -242,6 +415,7 @@ def scale_by_skewadam(
     eps_root: float = 0.0,
     *,
     param_labels: labels_lib.LabelSpec = None,
+    matrix_axes: axes_lib.AxesSpec = None,
     backbone: TierLike = None,
     expert: TierLike = None,
     router: TierLike = None,
@@ -252,13 +426,13 @@ def scale_by_skewadam(
   For every leaf, with ``t`` the step count::
 
       m_t = b1·m_{t−1} + (1 − b1)·g_t,       m̂_t = m_t / (1 − b1^t)
-      v_t = b2·v_{t−1} + (1 − b2)·g_t²,      v̂_t = v_t / (1 − b2^t)
+      v_t = b2·v_{t−1} + (1 − b2)·|g_t|²,    v̂_t = v_t / (1 − b2^t)
       u_t = m̂_t / (√(v̂_t + eps_root) + eps)
 
   where ``m_{t−1}`` is the decoded stored momentum of the leaf's tier and,
-  for a factored tier, ``v_t`` is the rank-one reconstruction
-  ``row_t·col_tᵀ / mean(row_t)`` of the row and column EMAs of
-  ``g_t² + factored_eps`` over the last two axes. With the ``"none"`` momentum
+  for a factored tier and a declared matrix, ``v_t`` is the rank-one
+  reconstruction ``row_t·col_tᵀ / mean(row_t)`` of the row and column EMAs of
+  ``|g_t|² + factored_eps`` over the matrix axes. With the ``"none"`` momentum
   encoding ``m̂_t = g_t``. With every tier at ``TierConfig("fp32", "exact")``
   this is ``optax.scale_by_adam`` exactly.
 
@@ -268,12 +442,20 @@ def scale_by_skewadam(
     eps: added to √v̂ in the denominator, > 0.
     eps_root: added to v̂ inside the square root, >= 0.
     param_labels: tier of each leaf: ``None`` for
-      :func:`~skewadam_jax.moe_param_labels` with its defaults, a pytree of
-      ``"backbone" | "expert" | "router"`` with the structure of the params,
-      or a callable returning one. A callable must depend only on the tree's
+      :func:`~skewadam_jax.moe_param_labels` with its defaults (warning at
+      ``init`` if they find no expert or no router leaf), a tier name for
+      every leaf, a pytree of ``"backbone" | "expert" | "router"`` matched to
+      the params by path (the params' structure or a prefix of it), or a
+      callable returning one. A callable must depend only on the tree's
       structure: it is called on the params in ``init`` and on the updates in
-      ``update``. Static under ``optax.inject_hyperparams`` (pass
-      ``static_args=("param_labels",)`` when it is a callable).
+      ``update``. Under ``optax.inject_hyperparams`` a callable must be named
+      in ``static_args``.
+    matrix_axes: which two axes of each leaf form its matrix
+      (:mod:`skewadam_jax.axes`): ``None`` for the last two axes of every
+      leaf with ``ndim >= 2``, a pytree of
+      :class:`~skewadam_jax.MatrixAxes` / ``(rows, cols)`` / ``None``
+      (a vector, e.g. a stacked norm scale ``[L, D]``) matched by path, or a
+      callable returning one (static, like ``param_labels``).
     backbone: :class:`TierConfig` (or a dict of its fields) for the backbone;
       default bf16 momentum, factored ``v`` (exact for vectors).
     expert: the same for the expert bank; default ``"sign"`` momentum,
@@ -287,10 +469,10 @@ def scale_by_skewadam(
     :class:`ScaleBySkewAdamState`.
 
   Raises:
-    ValueError: for hyperparameters out of range, an unknown encoding, labels
-      that do not match the tree or are not tiers, an expert leaf with fewer
-      than 3 dimensions, or an ``update`` whose tree differs from ``init``'s
-      (each message names the parameter path).
+    ValueError: for hyperparameters out of range, an unknown encoding, a
+      ``nu_dtype`` too coarse for ``b2``, labels or matrix axes that do not
+      match the tree or are invalid, or an ``update`` whose tree or state
+      differs from what ``init`` made (each message names the parameter path).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -302,80 +484,106 @@ def scale_by_skewadam(
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state)
-    >>> sorted(state.expert.nu)
-    ['moe/experts']
+    >>> state.nu_row["moe"]["experts"].shape   # factored v: [E, d_in, 1]
+    (2, 4, 1)
   """
   _check_hyperparameters(b1, b2, eps, eps_root, factored_eps)
-  configs = {
-      labels_lib.BACKBONE: _as_tier_config("backbone", backbone, DEFAULT_BACKBONE),
-      labels_lib.EXPERT: _as_tier_config("expert", expert, DEFAULT_EXPERT),
-      labels_lib.ROUTER: _as_tier_config("router", router, DEFAULT_ROUTER),
-  }
+  tiers = {"backbone": backbone, "expert": expert, "router": router}
+  for name, default in (("backbone", DEFAULT_BACKBONE), ("expert", DEFAULT_EXPERT),
+                        ("router", DEFAULT_ROUTER)):
+    tiers[name] = _as_tier_config(name, tiers[name], default)
+    _check_nu_dtype(name, tiers[name], b2)
 
-  def plans_for(tree):
-    paths, leaves, tiers, treedef = labels_lib.resolve_labels(param_labels, tree)
-    plans = [_leaf_plan(tier, configs[tier], path, leaf.shape)
-             for path, leaf, tier in zip(paths, leaves, tiers)]
-    return paths, leaves, tiers, plans, treedef
+  def plans_for(tree, warn=False):
+    return leaf_plans(tree, param_labels=param_labels, matrix_axes=matrix_axes,
+                      warn=warn, **tiers)
 
   def init_fn(params):
-    paths, leaves, tiers, plans, _ = plans_for(params)
-    tier_states = {t: TierState(mu={}, nu={}) for t in labels_lib.TIERS}
-    for path, leaf, tier, plan in zip(paths, leaves, tiers, plans):
-      mu, nu = _init_leaf(plan, leaf.shape)
-      if mu is not None:
-        tier_states[tier].mu[path] = mu
-      tier_states[tier].nu[path] = nu
-    return ScaleBySkewAdamState(count=jnp.zeros([], jnp.int32), **tier_states)
+    leaves, treedef = jax.tree.flatten(params)
+    plans = plans_for(params, warn=True)
+    per_leaf = [_init_leaf(plan, leaf) for plan, leaf in zip(plans, leaves)]
+    fields = {name: treedef.unflatten([parts.get(name, _placeholder()) for parts in per_leaf])
+              for name in FIELDS}
+    return ScaleBySkewAdamState(count=jnp.zeros([], jnp.int32), **fields)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     # Injected hyperparameters may arrive in a low-precision dtype, where
     # b2**t rounds to 1 and the bias correction divides by zero.
     b1_, b2_ = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
-    paths, grads, tiers, plans, treedef = plans_for(updates)
+    paths, grads, treedef = labels_lib.flatten_with_paths(updates)
+    field_leaves = {}
+    for name in FIELDS:
+      field = getattr(state, name)
+      if jax.tree.structure(field) != treedef:
+        raise ValueError(
+            f"The updates' tree ({treedef.num_leaves} leaves) differs from the "
+            f"one SkewAdam's state was made for ({jax.tree.structure(field).num_leaves} "
+            f"leaves in its {name!r} field): the tree must not change between "
+            "init and update.")
+      field_leaves[name] = treedef.flatten_up_to(field)
+    plans = plans_for(updates)
     count = optax.safe_increment(state.count)
-    new_states = {t: TierState(mu={}, nu={}) for t in labels_lib.TIERS}
-    out = []
-    for path, g, tier, plan in zip(paths, grads, tiers, plans):
-      old = getattr(state, tier)
-      if path not in old.nu:
-        held_by = [t for t in labels_lib.TIERS if path in getattr(state, t).nu]
-        where = f"the {held_by[0]!r} tier" if held_by else "no tier"
-        raise ValueError(
-            f"Update for {path!r} is labelled {tier!r}, but init put it in "
-            f"{where}: labels and tree must not change between init and update.")
-      got = tuple(tuple(x.shape) for x in jax.tree.leaves(old.nu[path]))
-      if got != _expected_nu_shapes(plan, g.shape):
-        raise ValueError(
-            f"Update for {path!r} has shape {tuple(g.shape)}, which does not "
-            f"match the state made at init (second-moment shapes {got}).")
-      u, mu, nu = _update_leaf(
-          plan, g, old.mu.get(path), old.nu[path], b1=b1_, b2=b2_, eps=eps,
-          eps_root=eps_root, factored_eps=factored_eps, count=count)
-      if mu is not None:
-        new_states[tier].mu[path] = mu
-      new_states[tier].nu[path] = nu
+    out, new_fields = [], {name: [] for name in FIELDS}
+    for i, (path, g, plan) in enumerate(zip(paths, grads, plans)):
+      parts = {name: field_leaves[name][i] for name in FIELDS}
+      _check_parts(path, plan, g, parts)
+      u, new = _step_leaf(plan, g, parts, b1=b1_, b2=b2_, eps=eps, eps_root=eps_root,
+                          factored_eps=factored_eps, count=count)
       out.append(u)
-    for tier in labels_lib.TIERS:
-      stale = set(getattr(state, tier).nu) - set(new_states[tier].nu)
-      if stale:
-        raise ValueError(
-            f"Parameters {sorted(stale)[:3]} had {tier!r} state at init but "
-            "are missing from the updates.")
-    return jax.tree.unflatten(treedef, out), ScaleBySkewAdamState(
-        count=count, **new_states)
+      for name in FIELDS:
+        new_fields[name].append(new.get(name, parts[name]))
+    return treedef.unflatten(out), ScaleBySkewAdamState(
+        count=count, **{name: treedef.unflatten(v) for name, v in new_fields.items()})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def matrices_only(params):
-  """Weight-decay mask: True for leaves with at least 2 dimensions.
+def matrices_only(params, matrix_axes: axes_lib.AxesSpec = None):
+  """Weight-decay mask: True for the leaves declared matrices.
 
-  The default ``weight_decay_mask`` of :func:`skewadam`: no decay on biases,
-  norm scales and other 1-D (or scalar) leaves.
+  With ``matrix_axes=None``, the leaves with at least 2 dimensions; otherwise
+  the leaves whose declared axes (:mod:`skewadam_jax.axes`) are not ``None``:
+  no decay on biases, norm scales (also stacked ``[L, D]`` ones, when
+  declared) and other vectors.
   """
-  return jax.tree.map(lambda p: len(p.shape) > 1, params)
+  _, treedef = jax.tree.flatten(params)
+  declared = axes_lib.resolve_matrix_axes(matrix_axes, params)
+  return treedef.unflatten([axes is not None for axes in declared])
+
+
+class _DecayState(NamedTuple):
+  """State of the declared-matrix weight decay (none)."""
+
+
+def add_decayed_weights_to_matrices(
+    weight_decay: Union[float, jax.Array] = 0.0,
+    matrix_axes: axes_lib.AxesSpec = None,
+) -> optax.GradientTransformation:
+  """``u + weight_decay·p`` on the leaves declared matrices, ``u`` elsewhere.
+
+  ``optax.add_decayed_weights(weight_decay, mask)`` with the mask
+  :func:`matrices_only` computed from the tree at each update. Unlike a
+  callable mask it holds no callable argument, so
+  ``optax.inject_hyperparams`` does not mistake it for a schedule.
+
+  Raises:
+    ValueError: if ``update`` is called without ``params``.
+  """
+  def init_fn(params):
+    del params
+    return _DecayState()
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("Weight decay needs the params: call update(updates, state, params).")
+    mask = matrices_only(updates, matrix_axes)
+    decayed = jax.tree.map(
+        lambda u, p, m: (u + weight_decay * p).astype(u.dtype) if m else u,
+        updates, params, mask)
+    return decayed, state
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def skewadam(
@@ -386,8 +594,9 @@ def skewadam(
     eps_root: float = 0.0,
     weight_decay: float = 1e-4,
     *,
-    weight_decay_mask: Any = matrices_only,
+    weight_decay_mask: Any = MATRICES,
     param_labels: labels_lib.LabelSpec = None,
+    matrix_axes: axes_lib.AxesSpec = None,
     backbone: TierLike = None,
     expert: TierLike = None,
     router: TierLike = None,
@@ -395,9 +604,8 @@ def skewadam(
 ) -> optax.GradientTransformationExtraArgs:
   r"""SkewAdam with decoupled weight decay, composed as ``optax.adamw`` is.
 
-  ``optax.chain(scale_by_skewadam(...), add_decayed_weights(weight_decay,
-  weight_decay_mask), scale_by_learning_rate(learning_rate))``, so the
-  parameter update is::
+  ``optax.chain(scale_by_skewadam(...), <weight decay>,
+  scale_by_learning_rate(learning_rate))``, so the parameter update is::
 
       Δθ_t = −lr_t · (u_t + λ·θ_{t−1})
 
@@ -408,11 +616,14 @@ def skewadam(
     learning_rate: a float or an optax schedule.
     b1, b2, eps, eps_root: as in :func:`scale_by_skewadam`.
     weight_decay: decoupled weight decay coefficient λ.
-    weight_decay_mask: pytree of bools or callable returning one; default
-      :func:`matrices_only` (no decay on 1-D leaves). ``None`` decays all
-      leaves. Under ``optax.inject_hyperparams`` pass
-      ``static_args=("weight_decay_mask", "param_labels")``.
-    param_labels, backbone, expert, router, factored_eps: as in
+    weight_decay_mask: ``"matrices"`` (default): decay exactly the leaves
+      ``matrix_axes`` declares matrices (:func:`add_decayed_weights_to_matrices`;
+      no decay on vectors, stacked norm scales included when declared).
+      Otherwise a pytree of bools or a callable returning one, passed to
+      ``optax.add_decayed_weights``; ``None`` decays all leaves. A callable
+      must be named in ``static_args`` under ``optax.inject_hyperparams``;
+      the default needs nothing.
+    param_labels, matrix_axes, backbone, expert, router, factored_eps: as in
       :func:`scale_by_skewadam`.
 
   Returns:
@@ -449,11 +660,18 @@ def skewadam(
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
   if isinstance(learning_rate, numbers.Real) and not learning_rate >= 0:
     raise ValueError(f"learning_rate must be >= 0, got {learning_rate}.")
+  if isinstance(weight_decay_mask, str) and weight_decay_mask == MATRICES:
+    decay = add_decayed_weights_to_matrices(weight_decay, matrix_axes)
+  elif isinstance(weight_decay_mask, str):
+    raise ValueError(f"weight_decay_mask must be {MATRICES!r}, a pytree of bools, "
+                     f"a callable or None, got {weight_decay_mask!r}.")
+  else:
+    decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
   return optax.chain(
       scale_by_skewadam(
           b1=b1, b2=b2, eps=eps, eps_root=eps_root, param_labels=param_labels,
-          backbone=backbone, expert=expert, router=router,
+          matrix_axes=matrix_axes, backbone=backbone, expert=expert, router=router,
           factored_eps=factored_eps),
-      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      decay,
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -1,0 +1,115 @@
+"""Declared matrix axes: which two axes of a leaf form its matrix.
+
+SkewAdam treats a leaf as a matrix (factored second moment, ``sign`` and
+``int8`` momentum, weight decay by default) only along two declared axes;
+every other axis (layer, expert, ...) is a batch axis, each matrix on it
+handled on its own. A leaf declared ``None`` is a vector everywhere, whatever
+its rank: a stacked norm scale ``[L, D]`` keeps an exact second moment, fp32
+momentum under a matrix-only encoding, and no weight decay.
+
+The declaration is a pytree (or a callable returning one) with one entry per
+parameter, matched by path like the tier labels
+(:func:`skewadam_jax.labels.spec_per_leaf`): a :class:`MatrixAxes`, a pair of
+ints ``(rows, cols)``, an ``optax.contrib.MuonDimensionNumbers`` with one
+reduction and one output axis, or ``None``. Without a declaration, a leaf
+with at least two dimensions is a matrix over its last two axes and anything
+smaller is a vector (:func:`default_matrix_axes`).
+
+A scanned model (``nnx.scan``, MaxText's scanned layers) declares its stacked
+axes, e.g. for ``{"layers": {"norm": {"scale": [L, D]}, "attn": {"wq": [L, D, H]}}}``::
+
+    matrix_axes = {"layers": {"norm": {"scale": None},
+                              "attn": {"wq": MatrixAxes(rows=1, cols=2)}}}
+
+and a layer axis in the middle (MaxText's ``param_scan_axis=1``:
+``wi_0`` as ``[E, L, d, f]``) needs nothing special: ``MatrixAxes(2, 3)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+
+from skewadam_jax import labels as labels_lib
+
+
+class MatrixAxes(NamedTuple):
+  """The two axes of a leaf that form its matrix (negative values count from the end).
+
+  Attributes:
+    rows: the axis of the rows (Muon's reduction axis, ``d_in`` of ``x @ W``).
+    cols: the axis of the columns (``d_out``); ``sign`` bits are packed and
+      ``int8`` blocks run along it.
+  """
+  rows: int = -2
+  cols: int = -1
+
+
+AxesSpec = Union[None, Any, Callable[[Any], Any]]
+
+
+def _is_entry(x) -> bool:
+  if x is None or isinstance(x, MatrixAxes):
+    return True
+  if type(x).__name__ == "MuonDimensionNumbers":
+    return True
+  return (isinstance(x, tuple) and len(x) == 2
+          and all(isinstance(a, int) and not isinstance(a, bool) for a in x))
+
+
+def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
+  """``entry`` as non-negative :class:`MatrixAxes` for a leaf of ``shape``.
+
+  Raises:
+    ValueError: naming ``path``, for an entry that is not a pair of distinct
+      axes of ``shape``.
+  """
+  if entry is None:
+    return None
+  if type(entry).__name__ == "MuonDimensionNumbers":
+    rows, cols = entry.reduction_axis, entry.output_axis
+    rows = rows[0] if isinstance(rows, (tuple, list)) and len(rows) == 1 else rows
+    cols = cols[0] if isinstance(cols, (tuple, list)) and len(cols) == 1 else cols
+  elif isinstance(entry, tuple) and len(entry) == 2:
+    rows, cols = entry
+  else:
+    raise ValueError(f"Matrix axes for {path!r} must be a MatrixAxes, a pair of "
+                     f"ints or None, got {entry!r}.")
+  ndim = len(shape)
+  for axis in (rows, cols):
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+      raise ValueError(f"Matrix axes {tuple((rows, cols))} for {path!r} are not "
+                       f"two axes of its shape {tuple(shape)}.")
+  rows, cols = rows % ndim, cols % ndim
+  if rows == cols:
+    raise ValueError(f"Matrix axes for {path!r} name axis {rows} twice; a "
+                     "matrix needs two distinct axes.")
+  return MatrixAxes(rows, cols)
+
+
+def default_matrix_axes(tree):
+  """The default declaration: the last two axes of every leaf with ``ndim >= 2``."""
+  return jax.tree.map(lambda x: MatrixAxes() if len(x.shape) >= 2 else None, tree)
+
+
+def resolve_matrix_axes(matrix_axes: AxesSpec, tree) -> list[Optional[MatrixAxes]]:
+  """Non-negative :class:`MatrixAxes` (or ``None``) for every leaf of ``tree``.
+
+  Args:
+    matrix_axes: ``None`` for :func:`default_matrix_axes`, a declaration tree,
+      or a callable mapping ``tree`` to one.
+    tree: parameters or updates.
+
+  Raises:
+    ValueError: naming the path, for a declaration that does not match the
+      tree or names axes the leaf does not have.
+  """
+  paths, leaves, _ = labels_lib.flatten_with_paths(tree)
+  if matrix_axes is None:
+    entries = [MatrixAxes() if len(x.shape) >= 2 else None for x in leaves]
+  else:
+    spec = matrix_axes(tree) if callable(matrix_axes) else matrix_axes
+    entries = labels_lib.spec_per_leaf(spec, tree, what="matrix_axes",
+                                       is_spec_leaf=_is_entry)
+  return [normalize(e, x.shape, p) for e, x, p in zip(entries, leaves, paths)]
