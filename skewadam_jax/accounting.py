@@ -14,7 +14,8 @@ the tree's paths), otherwise by matching the default tier patterns against the
 parameter's path. Leaves of other optax states (or the parts of a chain around
 SkewAdam) are attributed by matching the patterns against their path, which
 ends with the parameter's path (for example ``0/mu/layers/moe/experts/w_up``).
-Scalars (step counts, injected hyperparameters) are counted as ``"other"``.
+Scalars (step counts, injected hyperparameters) and SkewAdam's one-byte
+placeholders are counted as ``"other"``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def state_bytes_by_tier(state, *, param_labels=None,
         else:
           tiers = labels_lib.resolve_labels(param_labels, field)
         for tier, x in zip(tiers, jax.tree.leaves(field)):
-          totals[tier] += leaf_bytes(x)
+          totals[OTHER if transform.is_placeholder(x) else tier] += leaf_bytes(x)
       continue
     nbytes = leaf_bytes(leaf)
     if math.prod(getattr(leaf, "shape", ())) <= 1:

@@ -115,26 +115,25 @@ class Int8BlockEncoding(MomentumEncoding):
 
   def _per_element(self, scale, axis: int, cols: int):
     """Each block's scale repeated over its elements (fused by XLA, not stored)."""
-    return _explicit.take(jnp.repeat(scale, self.block_size, axis=axis,
-                                     total_repeat_length=self._num_blocks(cols) * self.block_size),
-                          axis, 0, cols)
+    blocks = scale.shape[axis]
+    spread = jnp.broadcast_to(
+        jnp.expand_dims(scale, axis + 1),
+        scale.shape[:axis + 1] + (self.block_size,) + scale.shape[axis + 1:])
+    merged = spread.reshape(scale.shape[:axis] + (blocks * self.block_size,)
+                            + scale.shape[axis + 1:])
+    return _explicit.take(merged, axis, 0, cols)
 
   def encode(self, m, axes):
     axis, cols = axes.cols, m.shape[axes.cols]
     m = m.astype(jnp.float32)
-    full = cols // self.block_size
-    pieces = []
-    if full:
-      body = _explicit.take(m, axis, 0, full * self.block_size)
-      body = _explicit.split_axis(body, axis, full, self.block_size)
-      pieces.append(jnp.max(jnp.abs(body), axis=axis + 1))
-    if cols % self.block_size:
-      tail = _explicit.take(m, axis, full * self.block_size, cols)
-      pieces.append(jnp.max(jnp.abs(tail), axis=axis, keepdims=True))
-    if not pieces:  # no columns: no blocks
-      scale = jnp.zeros(m.shape[:axis] + (0,) + m.shape[axis + 1:], jnp.float32)
-    else:
-      scale = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+    # One windowed max per block; the window pads the last block itself, so
+    # no padded copy of the momentum is made.
+    window = [1] * m.ndim
+    window[axis] = self.block_size
+    padding = [(0, 0)] * m.ndim
+    padding[axis] = (0, self._num_blocks(cols) * self.block_size - cols)
+    scale = jax.lax.reduce_window(jnp.abs(m), 0.0, jax.lax.max, tuple(window),
+                                  tuple(window), tuple(padding))
     safe = jnp.where(scale > 0, scale, 1.0)
     step = _explicit.like(self._per_element(127.0 / safe, axis, cols), m)
     return {"mu": jnp.round(m * step).astype(jnp.int8), "mu_scale": scale}
@@ -168,7 +167,14 @@ class SignEncoding(MomentumEncoding):
 
   @staticmethod
   def pack(negative: jax.Array, axis: int) -> jax.Array:
-    """Packs booleans 8 to a byte along ``axis`` (big-endian, as ``jnp.packbits``)."""
+    """Packs booleans 8 to a byte along ``axis`` (big-endian, as ``jnp.packbits``).
+
+    ``jnp.packbits`` splits the axis with a reshape that explicit sharding
+    refuses when the axis is sharded; the written-out form below says what
+    the result's sharding is (:mod:`skewadam_jax._explicit`).
+    """
+    if _explicit.explicit_spec(negative) is None and negative.size:
+      return jnp.packbits(negative, axis=axis)
     size = negative.shape[axis]
     groups = -(-size // factored.GROUP)
     if groups * factored.GROUP != size:
@@ -183,10 +189,13 @@ class SignEncoding(MomentumEncoding):
   @staticmethod
   def unpack(bits: jax.Array, axis: int, size: int) -> jax.Array:
     """The first ``size`` booleans along ``axis`` of :meth:`pack`'s bytes."""
+    if _explicit.explicit_spec(bits) is None and bits.size:
+      return jnp.unpackbits(bits, axis=axis, count=size).astype(bool)
     shift = (7 - jnp.arange(factored.GROUP)).astype(jnp.uint8)
     shift = shift.reshape((factored.GROUP,) + (1,) * (bits.ndim - axis - 1))
     expanded = jnp.right_shift(jnp.expand_dims(bits, axis + 1), shift) & 1
-    merged = expanded.reshape(bits.shape[:axis] + (-1,) + bits.shape[axis + 1:])
+    merged = expanded.reshape(bits.shape[:axis] + (bits.shape[axis] * factored.GROUP,)
+                              + bits.shape[axis + 1:])
     return _explicit.take(merged, axis, 0, size).astype(bool)
 
   def encode(self, m, axes):
@@ -194,10 +203,9 @@ class SignEncoding(MomentumEncoding):
     return {"mu": self.pack(m < 0, axes.cols), "mu_row": row, "mu_col": col}
 
   def decode(self, parts, axes):
+    negative = self.unpack(parts["mu"], axes.cols, parts["mu_col"].shape[axes.cols])
     magnitude = factored.rank_one(parts["mu_row"], parts["mu_col"], axes)
-    negative = _explicit.like(
-        self.unpack(parts["mu"], axes.cols, magnitude.shape[axes.cols]), magnitude)
-    return jnp.where(negative, -magnitude, magnitude)
+    return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 
 
 def get_encoding(name: str, *, block_size: int = 256) -> MomentumEncoding | None:

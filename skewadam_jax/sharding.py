@@ -17,7 +17,7 @@ for axis. With ``spec`` the parameter's ``PartitionSpec``:
 | exact ``v``, fp32/bf16 ``m``, int8 codes | the parameter's | ``spec`` |
 | factored ``nu_row`` / ``nu_col``, sign ``mu_row`` / ``mu_col`` | one matrix axis reduced to 1 | ``spec`` with that axis replicated |
 | int8 ``mu_scale``, sign bits | one axis shortened (blocks, 8 bits a byte) | ``spec``; the shortened axis keeps its entry only if it still divides evenly |
-| placeholders ``(0,)``, counts, scalars, anything of another rank | | replicated |
+| placeholders ``bool[1]``, counts, scalars, anything of another rank | | replicated |
 
 The rule reads only shapes: an axis as long as the parameter's keeps its
 entry, an axis of length 1 (reduced) is replicated, a shortened axis keeps its
@@ -32,6 +32,7 @@ import math
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
@@ -117,7 +118,8 @@ def _mesh_sizes(params: list[_Param], mesh) -> dict:
 def _follow(leaf, param: _Param, sizes: dict, path: str) -> Spec:
   """The spec of a state array that belongs to ``param`` (see the module docstring)."""
   shape = tuple(leaf.shape)
-  if len(shape) != len(param.shape) or math.prod(shape) == 0:
+  placeholder = shape == (1,) and getattr(leaf, "dtype", None) == jnp.bool_
+  if placeholder or len(shape) != len(param.shape) or math.prod(shape) == 0:
     return ()
   if any(s > p for s, p in zip(shape, param.shape)):
     raise ValueError(
@@ -175,9 +177,9 @@ def state_shardings(tx, params, param_shardings, *, mesh=None):
     >>> tx = skewadam_jax.skewadam(1e-3)
     >>> out = skewadam_jax.state_shardings(tx, params, shardings)
     >>> out[0].nu_row["experts"].spec   # [2, 4, 8, 1]
-    PartitionSpec(None, 'expert', None, None)
+    P(None, 'expert', None, None)
     >>> out[0].count.spec
-    PartitionSpec()
+    P()
   """
   paths, param_list = _flatten_params(params, param_shardings)
   sizes = _mesh_sizes(param_list, mesh)
@@ -199,9 +201,12 @@ def state_shardings(tx, params, param_shardings, *, mesh=None):
   abstract_state = jax.eval_shape(tx.init, params)
 
   def follow(leaf, index):
+    if isinstance(leaf, optax.MaskedNode):  # optax.masked / partition: no state here
+      return leaf
     param = param_list[index]
     return make(_follow(leaf, param, sizes, paths[index]), param)
 
   return optax.tree.map_params(
       tx, follow, abstract_state, index_tree,
-      transform_non_params=lambda subtree: jax.tree.map(lambda _: make(()), subtree))
+      transform_non_params=lambda subtree: jax.tree.map(lambda _: make(()), subtree),
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))

@@ -27,10 +27,11 @@ an exact ``v`` and dense momentum in every tier.
 
 The state is shaped like the parameters, as optax's own states are: each
 field of :class:`ScaleBySkewAdamState` is a tree with the parameters'
-structure, holding for every leaf the array that field stores for it, or an
-empty placeholder (shape ``(0,)``) where the leaf's form has no such array
-(as ``optax.scale_by_factored_rms`` keeps placeholders). So
-``optax.tree.map_params``, orbax and sharding derivation work on it unchanged.
+structure, holding for every leaf the array that field stores for it, or a
+one-byte placeholder (``bool[1]``) where the leaf's form has no such array
+(as ``optax.scale_by_factored_rms`` keeps ``(1,)`` placeholders; orbax cannot
+save zero-size arrays). So ``optax.tree.map_params``, orbax and sharding
+derivation work on it unchanged.
 
 Complex parameters follow ``optax.scale_by_adam``: ``v`` is an EMA of
 ``|g|²`` (real, factored or exact as configured) and the momentum is complex,
@@ -138,7 +139,8 @@ class ScaleBySkewAdamState(NamedTuple):
   """State of :func:`scale_by_skewadam`: every field but ``count`` is shaped like the params.
 
   Each leaf of a field is the array that field stores for that parameter, or
-  an empty ``(0,)`` placeholder where the parameter's form has none.
+  a ``bool[1]`` placeholder (:func:`is_placeholder`) where the parameter's
+  form has none.
 
   Attributes:
     count: the step count, ``int32[]``.
@@ -276,7 +278,12 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
 
 
 def _placeholder() -> jax.Array:
-  return jnp.zeros((0,), jnp.float32)
+  return jnp.zeros((1,), jnp.bool_)
+
+
+def is_placeholder(x) -> bool:
+  """Whether a state leaf is the placeholder of a field the parameter does not use."""
+  return tuple(x.shape) == (1,) and jnp.dtype(x.dtype) == jnp.bool_
 
 
 def _square(g32):
@@ -287,7 +294,8 @@ def _reductions(plan: LeafPlan, g_sq, m, *, grouped: bool):
   """The step's reductions over the leaf's matrix axes.
 
   Returns ``(nu_means, sign_parts)``: the row and column means of ``g_sq``
-  (or ``None``), and the sign encoding's fields for ``m`` (or ``None``).
+  in squeezed form (or ``None``), and the sign encoding's fields for ``m`` (or
+  ``None``).
   ``grouped=True`` computes them in two passes
   (:func:`~skewadam_jax.factored.row_col_means_grouped`, for XLA:CPU, matrices
   over the last two axes only); otherwise as plain means and packing, which
@@ -295,12 +303,12 @@ def _reductions(plan: LeafPlan, g_sq, m, *, grouped: bool):
   """
   sign = m is not None
   if not grouped:
-    nu_means = None if g_sq is None else factored.row_col_means(g_sq, plan.axes)
+    nu_means = None if g_sq is None else factored.squeezed_means(g_sq, plan.axes)
     return nu_means, plan.encoding.encode(m, plan.axes) if sign else None
   xs = [x for x in (g_sq, jnp.abs(m) if sign else None) if x is not None]
   weights = [encodings.SignEncoding.bit_weights(m)] if sign else []
   means, group_sums = factored.row_col_means_grouped(xs, weights)
-  nu_means = means[0] if g_sq is not None else None
+  nu_means = factored.squeeze(*means[0], plan.axes) if g_sq is not None else None
   sign_parts = None
   if sign:
     sign_parts = {"mu": group_sums[0], "mu_row": means[-1][0], "mu_col": means[-1][1]}
@@ -333,10 +341,13 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
     else:
       nu_means, sign_parts = _reductions(plan, fac_sq, m_sign, grouped=False)
   if plan.factored:
-    new["nu_row"] = factored.ema(parts["nu_row"], nu_means[0], b2)
-    new["nu_col"] = factored.ema(parts["nu_col"], nu_means[1], b2)
-    v = factored.rank_one(new["nu_row"].astype(jnp.float32),
-                          new["nu_col"].astype(jnp.float32), plan.axes)
+    old_row, old_col = factored.squeeze(parts["nu_row"], parts["nu_col"], plan.axes)
+    row = factored.ema(old_row, nu_means[0], b2)
+    col = factored.ema(old_col, nu_means[1], b2)
+    new["nu_row"] = jnp.expand_dims(row, plan.axes.cols)
+    new["nu_col"] = jnp.expand_dims(col, plan.axes.rows)
+    v = factored.rank_one_squeezed(row.astype(jnp.float32), col.astype(jnp.float32),
+                                   plan.axes)
   else:
     v = (1 - b2) * g_sq + b2 * parts["nu"].astype(jnp.float32)
     new["nu"] = v.astype(plan.nu_dtype)
@@ -394,8 +405,10 @@ def _check_parts(path: str, plan: LeafPlan, leaf, parts: dict) -> None:
   for name in FIELDS:
     got = parts[name]
     want = expected.get(name)
-    want_shape, want_dtype = ((0,), jnp.dtype(jnp.float32)) if want is None else (
+    want_shape, want_dtype = ((1,), jnp.dtype(jnp.bool_)) if want is None else (
         tuple(want.shape), jnp.dtype(want.dtype))
+    if want is None and tuple(got.shape) == (1,):
+      continue  # a placeholder, passed through whatever its dtype
     if tuple(got.shape) != want_shape or jnp.dtype(got.dtype) != want_dtype:
       what = (f"momentum {plan.encoding.name if plan.encoding else 'none'}, "
               f"second moment {'factored' if plan.factored else 'exact'} "

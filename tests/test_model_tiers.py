@@ -13,7 +13,8 @@ from skewadam_jax import labels as labels_lib
 @pytest.mark.parametrize("preset", ["tiny", "moe-6.78b"])
 def test_default_labeller_routes_every_model_parameter(preset):
   params = state_bytes.abstract_params(preset)
-  paths, leaves, tiers, _ = labels_lib.resolve_labels(None, params)
+  paths, leaves, _ = labels_lib.flatten_with_paths(params)
+  tiers = labels_lib.resolve_labels(None, params)
   config = models.get_preset(preset)
   L, D, E, F = config.num_layers, config.d_model, config.num_experts, config.d_ff
   got = {path: (tier, leaf.shape) for path, tier, leaf in zip(paths, tiers, leaves)}

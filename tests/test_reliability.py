@@ -427,14 +427,15 @@ PARAMS = {"embed": jnp.ones((6, 4)),
 
 @pytest.mark.parametrize("labels, message", [
     ({"embed": "backbone", "moe": {"router": "router"}},
-     r"no label for \['moe/experts'\]"),
+     r"no entry for \['moe/experts'\]"),
     ({"embed": "backbone", "moe": {"router": "router", "experts": "expert"}, "extra": "router"},
-     r"labels for paths not in the parameters \['extra'\]"),
-    ({"embed": "backbone", "moe": "expert"}, r"no label for \['moe/experts', 'moe/router'\]"),
+     r"entries for paths not in the parameters \['extra'\]"),
+    ({"embed": "backbone", "moe": {"gate": "router"}},
+     r"no entry for \['moe/experts', 'moe/router'\]"),
     ({"embed": "dense", "moe": {"router": "router", "experts": "expert"}},
      r"'embed' has label 'dense'"),
-    ({"embed": "expert", "moe": {"router": "router", "experts": "expert"}},
-     r"'embed' has shape \(6, 4\)"),
+    ({"embed": 3, "moe": {"router": "router", "experts": "expert"}},
+     r"'embed' has label 3, which is not a tier"),
 ])
 def test_mismatched_labels_raise_naming_the_path(labels, message):
   with pytest.raises(ValueError, match=message):
@@ -453,7 +454,8 @@ def test_leaf_shape_changed_between_init_and_update_raises(path, shape):
   grads = jax.tree.map(jnp.zeros_like, PARAMS)
   outer, name = (grads["moe"], path.split("/")[1]) if "/" in path else (grads, path)
   outer[name] = jnp.zeros(shape)
-  with pytest.raises(ValueError, match=rf"Update for '{path}' has shape {re.escape(str(shape))}"):
+  with pytest.raises(ValueError, match=rf"SkewAdam state for '{path}' does not match .* "
+                                       rf"update's shape {re.escape(str(shape))}"):
     tx.update(grads, state, grads)
 
 
@@ -461,10 +463,9 @@ def test_leaf_added_or_removed_between_init_and_update_raises():
   tx = sa.scale_by_skewadam()
   state = tx.init(PARAMS)
   grads = jax.tree.map(jnp.zeros_like, PARAMS)
-  with pytest.raises(ValueError, match=r"Update for 'bias' is labelled 'backbone', but init put "
-                                       r"it in no tier"):
+  with pytest.raises(ValueError, match=r"updates' tree \(4 leaves\) differs .* \(3 leaves"):
     tx.update({**grads, "bias": jnp.zeros((4,))}, state)
-  with pytest.raises(ValueError, match=r"\['embed'\] had 'backbone' state at init"):
+  with pytest.raises(ValueError, match=r"updates' tree \(2 leaves\) differs .* \(3 leaves"):
     tx.update({"moe": grads["moe"]}, state)
 
 

@@ -15,6 +15,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import skewadam_jax
 from skewadam_jax import sharding as sharding_lib
+from skewadam_jax.transform import is_placeholder
 
 MESH = AbstractMesh((2, 4), ("data", "expert"))
 F32 = jnp.float32
@@ -68,6 +69,12 @@ def skew_parts(tx, params=PARAMS, shardings=SHARDINGS, **kw):
 W_UP, W_DOWN = "layers/moe/experts/w_up", "layers/moe/experts/w_down"
 
 
+def at(tree, path):
+  for part in path.split("/"):
+    tree = tree[part]
+  return tree
+
+
 @pytest.mark.parametrize("second_moment", ["factored", "exact"])
 @pytest.mark.parametrize("momentum", ["fp32", "bf16", "int8", "sign", "none"])
 def test_expert_tier_specs_follow_the_encoding(momentum, second_moment):
@@ -75,34 +82,35 @@ def test_expert_tier_specs_follow_the_encoding(momentum, second_moment):
       expert=skewadam_jax.TierConfig(momentum, second_moment, int8_block_size=4))
   out, state = skew_parts(tx)
   up, down = (None, "expert", None, "data"), (None, "expert", "data")
-  nu = out.expert.nu
   if second_moment == "factored":
-    # row [..., R] drops the column axis, col [..., C] the row axis.
-    assert spec_of(nu[W_UP].row) == (None, "expert")
-    assert spec_of(nu[W_UP].col) == (None, "expert", "data")
-    assert spec_of(nu[W_DOWN].row) == (None, "expert", "data")
-    assert spec_of(nu[W_DOWN].col) == (None, "expert")
+    # Statistics keep the parameter's rank; the reduced axis is replicated.
+    assert at(state.nu_row, W_UP).shape == (2, 4, 8, 1)
+    assert spec_of(at(out.nu_row, W_UP)) == (None, "expert")
+    assert spec_of(at(out.nu_col, W_UP)) == (None, "expert", None, "data")
+    assert spec_of(at(out.nu_row, W_DOWN)) == (None, "expert", "data")
+    assert spec_of(at(out.nu_col, W_DOWN)) == (None, "expert")
+    assert spec_of(at(out.nu, W_UP)) == ()   # placeholder
   else:
-    assert spec_of(nu[W_UP]) == up and spec_of(nu[W_DOWN]) == down
-  mu = out.expert.mu
+    assert spec_of(at(out.nu, W_UP)) == up and spec_of(at(out.nu, W_DOWN)) == down
   if momentum in ("fp32", "bf16"):
-    assert spec_of(mu[W_UP]) == up
+    assert spec_of(at(out.mu, W_UP)) == up
   elif momentum == "int8":
-    assert spec_of(mu[W_UP].codes) == up
+    assert spec_of(at(out.mu, W_UP)) == up
     # scale [2, 4, 8, 16/4=4]: 4 blocks split evenly over data=2.
-    assert state.expert.mu[W_UP].scale.shape == (2, 4, 8, 4)
-    assert spec_of(mu[W_UP].scale) == up
+    assert at(state.mu_scale, W_UP).shape == (2, 4, 8, 4)
+    assert spec_of(at(out.mu_scale, W_UP)) == up
   elif momentum == "sign":
-    assert spec_of(mu[W_UP].magnitude.row) == (None, "expert")
-    assert spec_of(mu[W_UP].magnitude.col) == (None, "expert", "data")
-    # Packed 8 to a byte along one matrix axis: 16 -> 2 (or 8 -> 1) still
-    # splits evenly where sharded, so the bits keep the parameter's spec.
-    assert spec_of(mu[W_UP].bits) == up and spec_of(mu[W_DOWN].bits) == down
+    assert spec_of(at(out.mu_row, W_UP)) == (None, "expert")
+    assert spec_of(at(out.mu_col, W_UP)) == (None, "expert", None, "data")
+    # Packed 8 to a byte along the columns: 16 -> 2 still splits evenly over
+    # data=2, so the bits keep the parameter's spec.
+    assert spec_of(at(out.mu, W_UP)) == up and spec_of(at(out.mu, W_DOWN)) == down
   else:
-    assert mu == {}
+    assert is_placeholder(at(state.mu, W_UP)) and spec_of(at(out.mu, W_UP)) == ()
   # The 3-D bank without a layer axis follows the same rules on axis 0.
-  for x in jax.tree.leaves(out.expert.nu["bank/experts"]):
-    assert spec_of(x)[0] == "expert"
+  for name in ("mu", "nu", "nu_row", "nu_col"):
+    if not is_placeholder(at(getattr(state, name), "bank/experts")):
+      assert spec_of(at(getattr(out, name), "bank/experts"))[0] == "expert"
 
 
 def test_shortened_axis_is_replicated_unless_it_divides():
@@ -111,9 +119,9 @@ def test_shortened_axis_is_replicated_unless_it_divides():
   tx = skewadam_jax.scale_by_skewadam(
       expert=skewadam_jax.TierConfig("int8", "factored", int8_block_size=2))
   out, state = skew_parts(tx, params, shardings)
-  assert state.expert.mu["experts"].scale.shape == (4, 8, 3)  # 3 blocks: odd
-  assert spec_of(out.expert.mu["experts"].scale) == ("expert",)
-  assert spec_of(out.expert.mu["experts"].codes) == ("expert", None, "data")
+  assert state.mu_scale["experts"].shape == (4, 8, 3)  # 3 blocks: odd
+  assert spec_of(out.mu_scale["experts"]) == ("expert",)
+  assert spec_of(out.mu["experts"]) == ("expert", None, "data")
 
 
 def test_backbone_router_and_count():
@@ -121,11 +129,11 @@ def test_backbone_router_and_count():
   out, _ = skew_parts(tx)
   skew = out[0]
   assert spec_of(skew.count) == ()
-  assert skew.backbone.mu["embed"] is SHARDINGS["embed"]  # the param's own
-  assert spec_of(skew.backbone.nu["embed"].row) == ("data",)
-  assert spec_of(skew.backbone.nu["embed"].col) == ()
-  assert spec_of(skew.backbone.nu["final_norm"]) == ()  # vectors stay exact
-  assert spec_of(skew.router.nu["layers/moe/router/kernel"]) == ()
+  assert spec_of(skew.mu["embed"]) == ("data",)
+  assert spec_of(skew.nu_row["embed"]) == ("data",)
+  assert spec_of(skew.nu_col["embed"]) == ()
+  assert spec_of(skew.nu["final_norm"]) == ()  # vectors stay exact
+  assert spec_of(at(skew.nu, "layers/moe/router/kernel")) == ()
   # Every sharding is on the parameters' mesh.
   assert all(s.mesh == MESH for s in jax.tree.leaves(out))
 
@@ -135,9 +143,9 @@ def test_expert_state_is_never_replicated_over_experts():
     tx = skewadam_jax.scale_by_skewadam(expert={"momentum": momentum})
     out, state = skew_parts(tx)
     for path in (W_UP, W_DOWN):
-      for tree in (out.expert.mu.get(path), out.expert.nu[path]):
-        for s in jax.tree.leaves(tree):
-          assert "expert" in spec_of(s), (momentum, path, s)
+      for name in ("mu", "nu", "nu_row", "nu_col", "mu_scale", "mu_row", "mu_col"):
+        if not is_placeholder(at(getattr(state, name), path)):
+          assert "expert" in spec_of(at(getattr(out, name), path)), (momentum, path, name)
 
 
 def test_optax_states_follow_params_by_path_and_shape():
@@ -180,7 +188,7 @@ def test_memory_kind_is_kept():
   shardings = jax.tree.map(
       lambda s: NamedSharding(MESH, s, memory_kind="pinned_host"), SPECS)
   out = skewadam_jax.state_shardings(skewadam_jax.skewadam(1e-3), PARAMS, shardings)
-  assert out[0].expert.nu[W_UP].row.memory_kind == "pinned_host"
+  assert at(out[0].nu_row, W_UP).memory_kind == "pinned_host"
 
 
 def test_mismatched_shardings_name_the_path():
@@ -199,23 +207,33 @@ def test_mismatched_shardings_name_the_path():
     skewadam_jax.state_shardings(tx, PARAMS, mixed)
 
 
-def _renaming(inner, rename):
-  """A transformation whose SkewAdam state is made for a different tree."""
-  return optax.GradientTransformation(lambda p: inner.init(rename(p)), inner.update)
+def test_state_array_longer_than_its_parameter_names_the_path():
+  param = sharding_lib._Param((4, 6), ("expert", None), NamedSharding(MESH, P("expert")))
+  with pytest.raises(ValueError, match=r"for parameter 'w' \(4, 6\) has an axis longer"):
+    sharding_lib._follow(jax.ShapeDtypeStruct((6, 4), F32), param, dict(MESH.shape), "w")
 
 
-def test_state_for_other_params_names_the_path():
-  inner = skewadam_jax.scale_by_skewadam()
-  params = {"experts": jax.ShapeDtypeStruct((4, 8, 6), F32)}
-  shardings = {"experts": NamedSharding(MESH, P("expert"))}
-  renamed = _renaming(inner, lambda p: {"moe": {"experts": p["experts"]}})
-  with pytest.raises(ValueError, match="'moe/experts', which is not a parameter path"):
-    skewadam_jax.state_shardings(renamed, params, shardings)
-  transposed = _renaming(inner, lambda p: {"experts": jax.ShapeDtypeStruct((4, 6, 8), F32)})
-  with pytest.raises(ValueError, match="'experts': factored row has shape \\(4, 6\\)"):
-    skewadam_jax.state_shardings(transposed, params, shardings)
+def test_stacked_vector_declared_as_such_keeps_an_exact_replicated_free_state():
+  params = {"norm": jax.ShapeDtypeStruct((2, 8), F32)}
+  shardings = {"norm": NamedSharding(MESH, P(None, "data"))}
+  tx = skewadam_jax.scale_by_skewadam(matrix_axes={"norm": None})
+  out, state = skew_parts(tx, params, shardings)
+  assert state.nu["norm"].shape == (2, 8) and spec_of(out.nu["norm"]) == (None, "data")
 
 
 def test_docstring_examples_run():
   result = doctest.testmod(sharding_lib)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_partitioned_states_with_masked_nodes():
+  # optax.partition (as optax.contrib.muon) leaves MaskedNodes in each part's state.
+  labels = jax.tree.map(lambda _: "skew", PARAMS)
+  labels["embed"] = "adam"
+  tx = optax.partition({"adam": optax.adam(1e-3), "skew": skewadam_jax.skewadam(1e-3)}, labels)
+  out = skewadam_jax.state_shardings(tx, PARAMS, SHARDINGS)
+  adam = out.inner_states["adam"].inner_state[0]
+  assert spec_of(adam.mu["embed"]) == ("data",)
+  assert isinstance(adam.mu["final_norm"], optax.MaskedNode)
+  skew = out.inner_states["skew"].inner_state[0]
+  assert spec_of(at(skew.nu_row, W_UP)) == (None, "expert")

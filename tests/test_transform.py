@@ -42,7 +42,10 @@ def test_all_exact_fp32_equals_adamw(params, grad_seq):
 def test_default_router_follows_adam_exactly(params, grad_seq):
   ref, _ = run(optax.adam(1e-2), params, grad_seq)
   got, state = run(sa.skewadam(1e-2, weight_decay=0.0), params, grad_seq)
-  assert list(state[0].router.nu) == ["layers/moe/router/kernel"]
+  skew = state[0]
+  assert leaf(skew.nu, "layers/moe/router/kernel").shape == (2, 8, 4)   # exact v
+  assert leaf(skew.nu_row, "layers/moe/router/kernel").shape == (1,)    # not factored
+  assert leaf(skew.mu, "layers/moe/router/kernel").dtype == jnp.float32
   for r, g in zip(ref, got):
     np.testing.assert_allclose(leaf(g, "layers/moe/router/kernel"),
                                leaf(r, "layers/moe/router/kernel"), rtol=1e-5, atol=1e-6)
@@ -82,10 +85,10 @@ def test_expert_factored_second_moment_matches_per_expert_loop(shape):
   ref = numpy_factored_reference(grads_seq, 0.9, 0.95, 1e-8, 1e-30)
   for g, (rows, cols, u_ref) in zip(grads_seq, ref):
     u, state = update({"experts": g}, state)
-    nu = state.expert.nu["experts"]
-    assert nu.row.shape == shape[:-1] and nu.col.shape == shape[:-2] + shape[-1:]
-    np.testing.assert_allclose(nu.row, rows, rtol=1e-5)
-    np.testing.assert_allclose(nu.col, cols, rtol=1e-5)
+    row, col = state.nu_row["experts"], state.nu_col["experts"]
+    assert row.shape == shape[:-1] + (1,) and col.shape == shape[:-2] + (1,) + shape[-1:]
+    np.testing.assert_allclose(row[..., 0], rows, rtol=1e-5)
+    np.testing.assert_allclose(col[..., 0, :], cols, rtol=1e-5)
     np.testing.assert_allclose(u["experts"], u_ref, rtol=1e-4, atol=1e-6)
 
 
@@ -102,14 +105,18 @@ def test_one_experts_state_ignores_another_experts_gradient(params, grad_seq):
         g = jax.tree.map(lambda x: x, g)
         g["layers"]["moe"]["experts"]["w_up"] = w_up.at[:, 1].mul(100.0).at[:, 1, 0].set(-3.0)
       u, state = update(g, state)
-    return leaf(u, path), state.expert.nu[path], state.expert.mu[path]
+    return leaf(u, path), [leaf(getattr(state, f), path) for f in transform.FIELDS]
 
-  u_a, nu_a, mu_a = run_with(False)
-  u_b, nu_b, mu_b = run_with(True)
+  u_a, fields_a = run_with(False)
+  u_b, fields_b = run_with(True)
   others = np.array([0, 2, 3])
   np.testing.assert_array_equal(u_a[:, others], u_b[:, others])
-  for a, b in zip(jax.tree.leaves((nu_a, mu_a)), jax.tree.leaves((nu_b, mu_b))):
-    np.testing.assert_array_equal(a[:, others], b[:, others])
+  compared = 0
+  for a, b in zip(fields_a, fields_b):
+    if not transform.is_placeholder(a):
+      np.testing.assert_array_equal(a[:, others], b[:, others])
+      compared += 1
+  assert compared == 5  # sign bits, |m| rows and columns, v rows and columns
   assert not np.allclose(u_a[:, 1], u_b[:, 1])
 
 
@@ -269,29 +276,45 @@ def test_bad_labels_raise_naming_the_path(params):
   labels["embed"] = "dense"
   with pytest.raises(ValueError, match=r"'embed' has label 'dense'"):
     sa.scale_by_skewadam(param_labels=labels).init(params)
-  with pytest.raises(ValueError, match=r"no label for \['final_norm'\]"):
+  with pytest.raises(ValueError, match=r"param_labels does not match .* no entry for \['final_norm'\]"):
     sa.scale_by_skewadam(param_labels={"embed": "backbone"}).init(
         {"embed": params["embed"], "final_norm": params["final_norm"]})
 
 
-def test_expert_leaf_with_fewer_than_3_dims_raises(params):
-  bad = {"moe": {"experts": jnp.zeros((8, 6))}}
-  with pytest.raises(ValueError, match=r"'moe/experts' has shape \(8, 6\).*at least 3"):
-    sa.scale_by_skewadam().init(bad)
+def test_per_expert_2d_leaves_get_the_expert_tiers_forms():
+  # Hugging Face Mixtral style: one 2-D matrix per expert.
+  tree = {"moe": {"experts": {"0": {"w1": jnp.zeros((8, 6))}, "1": {"w1": jnp.zeros((8, 6))}},
+                  "router": jnp.zeros((8, 2))}}
+  state = sa.scale_by_skewadam().init(tree)
+  w1 = lambda field: getattr(state, field)["moe"]["experts"]["0"]["w1"]
+  assert (w1("mu").dtype, w1("mu").shape) == (jnp.uint8, (8, 1))     # sign bits
+  assert w1("nu_row").shape == (8, 1) and w1("nu_col").shape == (1, 6)
+  assert w1("nu").shape == (1,)
 
 
-def test_update_with_changed_shape_or_labels_raises(params):
+def test_update_with_changed_shape_labels_or_tree_raises():
   tx = sa.scale_by_skewadam()
   small = {"a": jnp.zeros((4, 3)), "b": {"experts": jnp.zeros((2, 4, 3))}}
   state = tx.init(small)
-  with pytest.raises(ValueError, match=r"'a' has shape \(5, 3\)"):
+  with pytest.raises(ValueError, match=r"for 'a' does not match .* shape \(5, 3\)"):
     tx.update({"a": jnp.zeros((5, 3)), "b": {"experts": jnp.zeros((2, 4, 3))}}, state)
-  relabel = sa.scale_by_skewadam(param_labels=lambda t: {"a": "router", "b": {"experts": "expert"}})
-  with pytest.raises(ValueError, match=r"'a' is labelled 'router', but init put it in the 'backbone'"):
+  # Relabelled as router: fp32 momentum and exact v, where init made bf16 and factored.
+  relabel = sa.scale_by_skewadam(param_labels={"a": "router", "b": "expert"})
+  with pytest.raises(ValueError, match=r"for 'a' does not match its configuration \(momentum fp32"):
     relabel.update(small, state)
-  with pytest.raises(ValueError, match=r"\['b/experts'\] had 'expert' state at init"):
-    sa.scale_by_skewadam(param_labels=lambda t: {"a": "backbone"}).update(
-        {"a": jnp.zeros((4, 3))}, state)
+  with pytest.raises(ValueError, match=r"updates' tree \(1 leaves\) differs .* \(2 leaves"):
+    tx.update({"a": jnp.zeros((4, 3))}, state)
+
+
+def test_state_made_with_other_encodings_raises_naming_the_path():
+  tree = {"moe": {"experts": jnp.zeros((2, 4, 3))}}
+  state = sa.scale_by_skewadam(expert={"momentum": "int8"}).init(tree)
+  with pytest.raises(ValueError, match=r"'moe/experts' does not match .*momentum sign"):
+    sa.scale_by_skewadam().update(tree, state)
+  # A dtype change alone (bf16 vs fp32 momentum) is caught too.
+  state = sa.scale_by_skewadam(backbone={"momentum": "fp32"}).init({"w": jnp.zeros((4, 3))})
+  with pytest.raises(ValueError, match=r"field 'mu' is float32\[4, 3\], expected bfloat16"):
+    sa.scale_by_skewadam().update({"w": jnp.zeros((4, 3))}, state)
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 6), (3, 16, 24)])
@@ -299,7 +322,9 @@ def test_cpu_and_accelerator_reductions_agree(shape):
   """The grouped reductions (XLA:CPU) equal the plain ones (XLA:GPU/TPU)."""
   g = jax.random.normal(jax.random.PRNGKey(3), shape)
   m = jax.random.normal(jax.random.PRNGKey(4), shape)
+  axes = sa.MatrixAxes(len(shape) - 2, len(shape) - 1)
+  plan = transform.LeafPlan("expert", sa.get_encoding("sign"), axes, True, jnp.float32)
   for g_sq, m_ in ((g * g, m), (g * g, None), (None, m)):
-    grouped = transform._reductions(g_sq, m_, grouped=True)
-    plain = transform._reductions(g_sq, m_, grouped=False)
+    grouped = transform._reductions(plan, g_sq, m_, grouped=True)
+    plain = transform._reductions(plan, g_sq, m_, grouped=False)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), grouped, plain)
