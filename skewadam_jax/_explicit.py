@@ -47,14 +47,19 @@ def split_axis(x, axis: int, groups: int, size: int):
   return jax.lax.reshape(x, shape, out_sharding=PartitionSpec(*out))
 
 
+def gather_axis(x, axis: int):
+  """``x`` with ``axis`` replicated (a no-op unless it is explicitly sharded)."""
+  spec = explicit_spec(x)
+  if spec is None or spec[axis] is None:
+    return x
+  return jax.sharding.reshard(x, PartitionSpec(*(spec[:axis] + (None,) + spec[axis + 1:])))
+
+
 def take(x, axis: int, start: int, stop: int):
   """``x`` restricted to ``start:stop`` along ``axis`` (gathered first if sharded)."""
   if (start, stop) == (0, x.shape[axis]):
     return x
-  spec = explicit_spec(x)
-  if spec is not None and spec[axis] is not None:
-    x = jax.sharding.reshard(x, PartitionSpec(*(spec[:axis] + (None,) + spec[axis + 1:])))
-  return jax.lax.slice_in_dim(x, start, stop, axis=axis)
+  return jax.lax.slice_in_dim(gather_axis(x, axis), start, stop, axis=axis)
 
 
 def like(x, ref):

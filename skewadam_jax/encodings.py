@@ -123,17 +123,37 @@ class Int8BlockEncoding(MomentumEncoding):
                             + scale.shape[axis + 1:])
     return _explicit.take(merged, axis, 0, cols)
 
+  def _block_absmax(self, m, axis: int, cols: int):
+    """Each block's absmax along ``axis``, shape ``[..., ceil(cols / block), ...]``."""
+    spec = _explicit.explicit_spec(m)
+    if spec is None or spec[axis] is None:
+      # One windowed max per block; the window pads the last block itself, so
+      # no padded copy of the momentum is made.
+      window = [1] * m.ndim
+      window[axis] = self.block_size
+      padding = [(0, 0)] * m.ndim
+      padding[axis] = (0, self._num_blocks(cols) * self.block_size - cols)
+      return jax.lax.reduce_window(jnp.abs(m), 0.0, jax.lax.max, tuple(window),
+                                   tuple(window), tuple(padding))
+    # Explicitly sharded columns: reduce_window cannot say how its output is
+    # sharded, a split of the axis can (_explicit.split_axis).
+    full = cols // self.block_size
+    pieces = []
+    if full:
+      body = _explicit.split_axis(_explicit.take(m, axis, 0, full * self.block_size),
+                                  axis, full, self.block_size)
+      pieces.append(jnp.max(jnp.abs(body), axis=axis + 1))
+    if cols % self.block_size:
+      tail = _explicit.take(m, axis, full * self.block_size, cols)
+      pieces.append(jnp.max(jnp.abs(tail), axis=axis, keepdims=True))
+    if len(pieces) == 1:
+      return pieces[0]
+    return jnp.concatenate([_explicit.gather_axis(p, axis) for p in pieces], axis=axis)
+
   def encode(self, m, axes):
     axis, cols = axes.cols, m.shape[axes.cols]
     m = m.astype(jnp.float32)
-    # One windowed max per block; the window pads the last block itself, so
-    # no padded copy of the momentum is made.
-    window = [1] * m.ndim
-    window[axis] = self.block_size
-    padding = [(0, 0)] * m.ndim
-    padding[axis] = (0, self._num_blocks(cols) * self.block_size - cols)
-    scale = jax.lax.reduce_window(jnp.abs(m), 0.0, jax.lax.max, tuple(window),
-                                  tuple(window), tuple(padding))
+    scale = self._block_absmax(m, axis, cols)
     safe = jnp.where(scale > 0, scale, 1.0)
     step = _explicit.like(self._per_element(127.0 / safe, axis, cols), m)
     return {"mu": jnp.round(m * step).astype(jnp.int8), "mu_scale": scale}

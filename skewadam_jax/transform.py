@@ -521,8 +521,9 @@ def scale_by_skewadam(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    # Injected hyperparameters may arrive in a low-precision dtype, where
-    # b2**t rounds to 1 and the bias correction divides by zero.
+    # Injected hyperparameters may arrive in the params' dtype; b1**t and
+    # b2**t are computed in fp32. (A b2 that already rounded to 1, as 0.999
+    # does in bf16, cannot be recovered: inject with hyperparam_dtype=float32.)
     b1_, b2_ = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
     paths, grads, treedef = labels_lib.flatten_with_paths(updates)
     field_leaves = {}

@@ -55,6 +55,8 @@ def tier_bytes_per_device(state, tier: str) -> tuple[dict, int]:
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     if skewadam_jax.labels.label_path(skewadam_jax.labels.path_to_str(path)) != tier:
       continue
+    if skewadam_jax.transform.is_placeholder(x):  # one replicated byte, not the tier's
+      continue
     total += x.nbytes
     for shard in x.addressable_shards:
       per_device[shard.device.id] += shard.data.nbytes

@@ -67,7 +67,16 @@ def test_6p78b_adamw_is_54_2_gb_and_skewadam_tiers_sum_to_total():
   assert skew["backbone"] == 2 * 167_822_336 + factored_v + 4 * D
   assert skew["router"] == 8 * 1_572_864
   assert skew["expert"] == L * E * (2 * per_matrix[(D, F)] + per_matrix[(F, D)])
-  assert skew["other"] == 4
+  # The step count, and one byte per placeholder (a field a leaf's form does not use).
+  state = jax.eval_shape(sa.skewadam(1e-3).init, tree)[0]
+  placeholders = sum(sa.transform.is_placeholder(x) for name in sa.transform.FIELDS
+                     for x in jax.tree.leaves(getattr(state, name)))
+  # 7 fields x 13 leaves, less the used ones: 3 expert banks (sign bits, |m| row
+  # and col, v row and col), the router (m, v), 8 backbone matrices (m, v row
+  # and col) and the final norm (m, v).
+  assert len(jax.tree.leaves(tree)) == 13
+  assert placeholders == 7 * 13 - (3 * 5 + 2 + 8 * 3 + 2)
+  assert skew["other"] == 4 + placeholders
   assert round(skew["total"] / 1e9, 3) == 1.264  # within the published 1.29 GB
   # Adam's backbone (fp32 m, exact v): 8 bytes per backbone parameter.
   adam_backbone = sa.abstract_state_bytes_by_tier(
