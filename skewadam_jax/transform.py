@@ -349,7 +349,9 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
     v = factored.rank_one_squeezed(row.astype(jnp.float32), col.astype(jnp.float32),
                                    plan.axes)
   else:
-    v = (1 - b2) * g_sq + b2 * parts["nu"].astype(jnp.float32)
+    # ((1 − b2)·g)·g for real g: the order of the first release, so runs repeat.
+    weighted = (1 - b2) * g_sq if jnp.iscomplexobj(g32) else (1 - b2) * g32 * g32
+    v = weighted + b2 * parts["nu"].astype(jnp.float32)
     new["nu"] = v.astype(plan.nu_dtype)
   v_hat = v / (1 - b2**count)
   if encoding is None:
