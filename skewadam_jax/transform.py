@@ -168,7 +168,7 @@ class LeafPlan(NamedTuple):
   Attributes:
     tier: the leaf's tier.
     encoding: its momentum encoding (``None``: no momentum).
-    axes: its matrix axes (non-negative), ``None`` for a vector.
+    axes: its declared matrix axes (non-negative), ``None`` for a vector.
     factored: whether its second moment is factored.
     nu_dtype: dtype of the stored second moment.
   """
@@ -269,11 +269,10 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
     if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
       encoding = encodings.DenseEncoding(
           jnp.complex64 if _is_complex(leaf) else jnp.float32)
-    is_factored = config.second_moment == "factored" and axes is not None
-    plans.append(LeafPlan(tier=tier, encoding=encoding,
-                          axes=axes if (is_factored or (encoding is not None
-                                                        and encoding.matrix_only)) else None,
-                          factored=is_factored, nu_dtype=jnp.dtype(config.nu_dtype)))
+    plans.append(LeafPlan(
+        tier=tier, encoding=encoding, axes=axes,
+        factored=config.second_moment == "factored" and axes is not None,
+        nu_dtype=jnp.dtype(config.nu_dtype)))
   return plans
 
 
