@@ -42,12 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-# Config fields a resumed run must share with its checkpoint.
-STRUCTURAL_FIELDS = ("preset", "optimizer", "moe_impl", "expert_momentum",
-                     "backbone_second_moment", "router_second_moment", "seed",
-                     "batch_size", "seq_len", "data", "val_fraction", "steps", "lr",
-                     "warmup_steps", "weight_decay", "clip_norm", "param_dtype",
-                     "stochastic_rounding", "skip_nonfinite")
+from experiments import config as config_lib
+
+# Config fields a resumed run must share with its checkpoint: the config's
+# structural fields (experiments/config.py), not a copy of their names.
+STRUCTURAL_FIELDS = config_lib.STRUCTURAL_FIELDS
 
 _MAX_REASON_CHARS = 240
 

@@ -10,12 +10,15 @@ state donated. Batch ``s`` is a pure function of ``(seed, s)``, so a resumed run
 sees exactly the batches of an uninterrupted one. ``--mesh data=4,expert=2``
 shards the same step over a device mesh and ``--coordinator-address``,
 ``--num-processes``, ``--process-id`` join several processes
-(``experiments/parallel.py``).
+(``experiments/parallel.py``). Every flag is a field of
+:class:`experiments.config.TrainConfig`, which also says which settings a
+resumed run must keep.
 
 Outputs under ``--out``: ``metrics.jsonl`` (one JSON object per logged step and
 per evaluation), ``ckpt/`` (orbax checkpoints every ``--ckpt-every`` steps and at
 the end), and ``summary.json`` (validation perplexity, the unigram baseline,
-tokens/s, optimizer-state bytes by tier), which is also printed.
+tokens/s, optimizer-state bytes by tier); the command prints one result line
+(``--json``: the summary too). Resuming a finished run changes nothing.
 
 Faults (README, "Failure behaviour"): bad flags, data or checkpoints print one
 line ``error: ...`` and exit 2; ``--skip-nonfinite K`` skips steps with
@@ -53,10 +56,12 @@ import skewadam_jax
 from experiments import data as data_lib
 from experiments import optimizers
 from experiments import parallel
+from experiments import config as config_lib
 from experiments.checkpoint import Checkpointer
+from experiments.config import PARAM_DTYPES  # noqa: F401  (re-exported)
+from experiments.config import TrainConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PARAM_DTYPES = ("float32", "bfloat16")
 
 
 class TrainingError(RuntimeError):
@@ -67,96 +72,6 @@ class TrainingError(RuntimeError):
   """
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Everything that defines a run (saved with every checkpoint).
-
-  ``lr=None`` takes the optimizer's default from ``optimizers.DEFAULT_LR``;
-  ``seq_len=None`` the preset's ``max_seq_len``.
-  """
-  preset: str = "small"
-  optimizer: str = "skewadam"
-  steps: int = 600
-  batch_size: int = 16
-  seq_len: int | None = None
-  lr: float | None = None
-  warmup_steps: int = 60
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0
-  seed: int = 0
-  data: str | None = None
-  val_fraction: float = 0.1
-  eval_every: int = 100
-  eval_batches: int = 16
-  ckpt_every: int = 100
-  log_every: int = 10
-  moe_impl: str | None = None
-  expert_momentum: str | None = None     # SkewAdam tiers; None: the library default
-  backbone_momentum: str | None = None
-  backbone_second_moment: str | None = None
-  router_second_moment: str | None = None
-  mesh: str | None = None  # SPMD layout, e.g. "data=4,expert=2" (experiments/parallel.py)
-  param_dtype: str | None = None         # "float32" | "bfloat16"; None: the preset's
-  stochastic_rounding: bool = False      # round updates to bf16 params stochastically
-  skip_nonfinite: int = 0                # skip NaN/Inf-gradient steps, stop after this
-                                         # many in a row (0: off, stop at a NaN loss)
-
-  def model_config(self) -> models.ModelConfig:
-    overrides = {"moe_impl": self.moe_impl} if self.moe_impl else {}
-    if self.param_dtype:
-      overrides["param_dtype"] = self.param_dtype
-    return models.get_preset(self.preset, **overrides)
-
-  def skewadam_tiers(self) -> dict:
-    tiers = {}
-    if self.expert_momentum:
-      tiers["expert"] = {"momentum": self.expert_momentum}
-    backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
-                                  ("second_moment", self.backbone_second_moment)) if v}
-    if backbone:
-      tiers["backbone"] = backbone
-    if self.router_second_moment:
-      tiers["router"] = {"second_moment": self.router_second_moment}
-    return tiers
-
-  def validate(self) -> None:
-    """Raises ValueError with a one-line message for a bad setting."""
-    if self.optimizer not in optimizers.OPTIMIZERS:
-      raise ValueError(f"unknown optimizer {self.optimizer!r}; "
-                       f"choose from {', '.join(optimizers.OPTIMIZERS)}")
-    # Checked before the model config, which would raise a TypeError from
-    # deep inside numpy for an unknown dtype name.
-    if self.param_dtype not in (None, *PARAM_DTYPES):
-      raise ValueError(f"--param-dtype must be one of {', '.join(PARAM_DTYPES)}, "
-                       f"got {self.param_dtype!r}")
-    self.model_config()  # unknown preset / moe_impl
-    if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
-      raise ValueError("--stochastic-rounding needs bfloat16 parameters "
-                       "(--param-dtype bfloat16)")
-    if self.skip_nonfinite < 0:
-      raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
-    if not 0 < self.val_fraction < 1:
-      raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-    for name in ("steps", "batch_size", "eval_batches", "eval_every",
-                 "ckpt_every", "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
-                         f"got {getattr(self, name)}")
-    if self.seq_len is not None and self.seq_len < 1:
-      raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
-    if self.lr is not None and not self.lr > 0:  # also rejects NaN
-      raise ValueError(f"--lr must be > 0, got {self.lr}")
-    if self.lr is not None and not math.isfinite(self.lr):
-      raise ValueError(f"--lr must be finite, got {self.lr}")
-    for name in ("weight_decay", "clip_norm", "warmup_steps"):
-      if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, "
-                         f"got {getattr(self, name)}")
-    if self.seed < 0:
-      raise ValueError(f"--seed must be >= 0, got {self.seed}")
-    skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
-    if self.mesh:
-      parallel.parse_mesh(self.mesh)
 
 
 def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
@@ -367,6 +282,11 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
       ckpt.close()
       raise
   metrics_path = out / "metrics.jsonl"
+  if resume and start == config.steps and (out / "summary.json").exists():
+    # A finished run: resuming it changes nothing, its figures are kept.
+    ckpt.close()
+    summary = json.loads((out / "summary.json").read_text())
+    return {**summary, "already_finished": True, "_params": params, "_opt_state": opt_state}
   # In a multi-process run every process trains (and saves checkpoints jointly),
   # but only process 0 writes the logs, the summary and the progress bar.
   is_chief = jax.process_index() == 0
@@ -499,31 +419,25 @@ class _ArgumentParser(argparse.ArgumentParser):
     raise ValueError(message)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags: one per config field, then the run's own."""
   parser = _ArgumentParser(
       prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
-  defaults = TrainConfig()
-  parser.add_argument("--preset", default=defaults.preset, help="model preset (models.PRESETS)")
-  parser.add_argument("--optimizer", default=defaults.optimizer,
-                      help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
-  for field in dataclasses.fields(TrainConfig):
-    if field.name in ("preset", "optimizer"):
-      continue
-    flag = "--" + field.name.replace("_", "-")
-    if str(field.type) == "bool":
-      parser.add_argument(flag, action="store_true", default=field.default)
-      continue
-    kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
-    parser.add_argument(flag, type=kind, default=field.default)
+  config_lib.add_flags(parser)
   parser.add_argument("--out", default=None, help="output folder (default runs/PRESET-OPTIMIZER)")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   parser.add_argument("--stop-after", type=int, default=None,
                       help="stop after this many steps, keeping the schedule of --steps")
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  parser.add_argument("--json", action="store_true",
+                      help="print the run's summary as JSON (it is always in OUT/summary.json)")
   parallel.add_distributed_flags(parser)
-  args = parser.parse_args(argv)
-  values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-  return TrainConfig(**values), args
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+  args = build_parser().parse_args(argv)
+  return config_lib.from_args(args), args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -543,8 +457,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 3
   summary.pop("_params")
   summary.pop("_opt_state")
-  summary.pop("config")
-  print(json.dumps(summary, indent=2))
+  if summary.pop("already_finished", False):
+    print(f"{out} already finished {summary['steps']} steps; nothing changed "
+          f"(summary in {out}/summary.json)", file=sys.stderr)
+  if args.json:
+    print(json.dumps(summary, indent=2))
   if "val_ppl" in summary:
     # None when too few steps were timed (e.g. a resume with one log step left).
     speed = summary["tokens_per_s"]

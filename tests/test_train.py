@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import checkpoint
 from experiments import optimizers
 from experiments import train as train_lib
 
@@ -46,6 +47,24 @@ def test_resume_matches_uninterrupted_run(tmp_path, corpus, cache_dir):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                resumed["_params"], full["_params"])
   assert resumed["val_ppl"] == pytest.approx(full["val_ppl"], rel=1e-6)
+  # Resuming the finished run again changes nothing and keeps its figures.
+  files = {name: (tmp_path / "split" / name).read_bytes()
+           for name in ("summary.json", "metrics.jsonl")}
+  again = train_lib.train(config, tmp_path / "split", resume=True, progress=False, run=run)
+  assert again["already_finished"] and again["tokens_per_s"] == resumed["tokens_per_s"]
+  assert {name: (tmp_path / "split" / name).read_bytes() for name in files} == files
+
+
+def test_every_flag_has_help_and_the_structural_fields_come_from_the_config():
+  parser = train_lib.build_parser()
+  options = [a for a in parser._actions if a.option_strings]  # pylint: disable=protected-access
+  assert len(options) > 30
+  assert all(a.help and a.help.strip() for a in options), [
+      a.option_strings for a in options if not a.help]
+  help_text = parser.format_help()
+  assert "{fp32,bf16,int8,sign,none}" in help_text and "default 600" in help_text
+  assert "backbone_momentum" in checkpoint.STRUCTURAL_FIELDS
+  assert not {"eval_every", "log_every", "ckpt_every", "mesh"} & set(checkpoint.STRUCTURAL_FIELDS)
 
 
 def test_resume_refuses_a_different_optimizer(tmp_path, corpus, cache_dir):
@@ -56,6 +75,11 @@ def test_resume_refuses_a_different_optimizer(tmp_path, corpus, cache_dir):
     train_lib.train(other, tmp_path, resume=True, cache_dir=cache_dir, progress=False)
   with pytest.raises(ValueError, match="already holds a checkpoint"):
     train_lib.train(config, tmp_path, cache_dir=cache_dir, progress=False)
+  # A field the old hand-typed list had missed.
+  bf16 = train_lib.TrainConfig(optimizer="skewadam", steps=4, data=corpus,
+                               backbone_momentum="fp32", **TINY)
+  with pytest.raises(ValueError, match="backbone_momentum"):
+    train_lib.train(bf16, tmp_path, resume=True, cache_dir=cache_dir, progress=False)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,0 +1,191 @@
+"""The training configuration: one definition of every setting.
+
+Each field of :class:`TrainConfig` carries its help text, its allowed values
+and whether it is *structural* (it changes the model, the optimizer state, the
+data or the schedule, so a checkpoint may only be resumed under the same
+value). The training command's flags (``--help`` included) and the
+checkpoint's resume check are derived from these fields, not from copies of
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+import models
+import skewadam_jax
+from experiments import optimizers
+from experiments import parallel
+
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+def setting(default: Any, help: str, *, structural: bool, choices=None, kind=None):  # pylint: disable=redefined-builtin
+  """A config field with its help text, allowed values and resume rule.
+
+  Args:
+    default: the default value (``None``: decided by the preset or optimizer).
+    help: one line for ``--help``.
+    structural: whether a resumed run must keep the checkpoint's value.
+    choices: the allowed values, shown in ``--help`` and checked by argparse.
+    kind: the flag's type (``int``, ``float``, ``str``, ``bool``); by default
+      that of ``default``.
+  """
+  kind = kind or type(default)
+  return dataclasses.field(default=default, metadata={
+      "help": help, "structural": structural, "choices": choices, "kind": kind})
+
+
+_ENCODINGS = tuple(skewadam_jax.ENCODINGS)
+_FORMS = ("exact", "factored")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything that defines a training run (see the module docstring)."""
+
+  preset: str = setting("small", "model preset", structural=True,
+                        choices=tuple(models.PRESETS))
+  optimizer: str = setting("skewadam", "optimizer", structural=True,
+                           choices=tuple(optimizers.OPTIMIZERS))
+  steps: int = setting(600, "training steps (the schedule's length)", structural=True)
+  batch_size: int = setting(16, "sequences per step", structural=True)
+  seq_len: int | None = setting(None, "tokens per sequence (default: the preset's "
+                                "maximum)", structural=True, kind=int)
+  lr: float | None = setting(None, "peak learning rate (default: the optimizer's "
+                             "sweep centre, experiments/optimizers.py)",
+                             structural=True, kind=float)
+  warmup_steps: int = setting(60, "linear warmup steps before the cosine decay",
+                              structural=True)
+  weight_decay: float = setting(0.1, "decoupled weight decay on matrices", structural=True)
+  clip_norm: float = setting(1.0, "global gradient-norm clipping threshold",
+                             structural=True)
+  seed: int = setting(0, "seed of the parameters and the batch order", structural=True)
+  data: str | None = setting(None, "UTF-8 text file or folder (default: the bundled "
+                             "Shakespeare corpus)", structural=True, kind=str)
+  val_fraction: float = setting(0.1, "share of the characters held out for validation "
+                                "(whole works)", structural=True)
+  eval_every: int = setting(100, "evaluate every this many steps", structural=False)
+  eval_batches: int = setting(16, "validation batches per evaluation", structural=False)
+  ckpt_every: int = setting(100, "checkpoint every this many steps", structural=False)
+  log_every: int = setting(10, "log metrics every this many steps", structural=False)
+  moe_impl: str | None = setting(None, "dropless expert lowering (default: the "
+                                 "preset's)", structural=True,
+                                 choices=tuple(models.MOE_IMPLS), kind=str)
+  expert_momentum: str | None = setting(
+      None, "SkewAdam expert-tier momentum encoding (default: the library's)",
+      structural=True, choices=_ENCODINGS, kind=str)
+  backbone_momentum: str | None = setting(
+      None, "SkewAdam backbone momentum encoding (default: the library's)",
+      structural=True, choices=_ENCODINGS, kind=str)
+  backbone_second_moment: str | None = setting(
+      None, "SkewAdam backbone second moment (default: the library's)",
+      structural=True, choices=_FORMS, kind=str)
+  router_second_moment: str | None = setting(
+      None, "SkewAdam router second moment (default: the library's)",
+      structural=True, choices=_FORMS, kind=str)
+  mesh: str | None = setting(None, "SPMD mesh, e.g. data=4,expert=2 "
+                             "(experiments/parallel.py); a checkpoint resumes on "
+                             "any mesh", structural=False, kind=str)
+  param_dtype: str | None = setting(None, "parameter dtype (default: the preset's)",
+                                    structural=True, choices=PARAM_DTYPES, kind=str)
+  stochastic_rounding: bool = setting(False, "round updates to bf16 parameters "
+                                      "stochastically", structural=True)
+  skip_nonfinite: int = setting(0, "skip steps with NaN/Inf gradients, stop after this "
+                                "many in a row (0: off, stop at a non-finite loss)",
+                                structural=True)
+
+  def model_config(self) -> models.ModelConfig:
+    overrides = {"moe_impl": self.moe_impl} if self.moe_impl else {}
+    if self.param_dtype:
+      overrides["param_dtype"] = self.param_dtype
+    return models.get_preset(self.preset, **overrides)
+
+  def skewadam_tiers(self) -> dict:
+    tiers = {}
+    if self.expert_momentum:
+      tiers["expert"] = {"momentum": self.expert_momentum}
+    backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
+                                  ("second_moment", self.backbone_second_moment)) if v}
+    if backbone:
+      tiers["backbone"] = backbone
+    if self.router_second_moment:
+      tiers["router"] = {"second_moment": self.router_second_moment}
+    return tiers
+
+  def validate(self) -> None:
+    """Raises ValueError with a one-line message for a bad setting."""
+    if self.optimizer not in optimizers.OPTIMIZERS:
+      raise ValueError(f"unknown optimizer {self.optimizer!r}; "
+                       f"choose from {', '.join(optimizers.OPTIMIZERS)}")
+    # Checked before the model config, which would raise a TypeError from
+    # deep inside numpy for an unknown dtype name.
+    if self.param_dtype not in (None, *PARAM_DTYPES):
+      raise ValueError(f"--param-dtype must be one of {', '.join(PARAM_DTYPES)}, "
+                       f"got {self.param_dtype!r}")
+    self.model_config()  # unknown preset / moe_impl
+    if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
+      raise ValueError("--stochastic-rounding needs bfloat16 parameters "
+                       "(--param-dtype bfloat16)")
+    if self.skip_nonfinite < 0:
+      raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
+    if not 0 < self.val_fraction < 1:
+      raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+    for name in ("steps", "batch_size", "eval_batches", "eval_every",
+                 "ckpt_every", "log_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                         f"got {getattr(self, name)}")
+    if self.seq_len is not None and self.seq_len < 1:
+      raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
+    if self.lr is not None and not self.lr > 0:  # also rejects NaN
+      raise ValueError(f"--lr must be > 0, got {self.lr}")
+    if self.lr is not None and not math.isfinite(self.lr):
+      raise ValueError(f"--lr must be finite, got {self.lr}")
+    for name in ("weight_decay", "clip_norm", "warmup_steps"):
+      if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, "
+                         f"got {getattr(self, name)}")
+    if self.seed < 0:
+      raise ValueError(f"--seed must be >= 0, got {self.seed}")
+    skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
+    if self.mesh:
+      parallel.parse_mesh(self.mesh)
+
+
+STRUCTURAL_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                          if f.metadata["structural"])
+
+
+def add_flags(parser) -> None:
+  """Adds a ``--flag`` per :class:`TrainConfig` field, with its help, default and choices.
+
+  Allowed values are shown, not enforced by argparse: :meth:`TrainConfig.validate`
+  checks them with one-line messages.
+  """
+  for field in dataclasses.fields(TrainConfig):
+    meta = field.metadata
+    flag = "--" + field.name.replace("_", "-")
+    extra = []
+    if meta["choices"]:
+      extra.append("one of " + ", ".join(map(str, meta["choices"])))
+    if meta["kind"] is not bool:
+      extra.append(f"default {field.default}" if field.default is not None else "")
+    if meta["structural"]:
+      extra.append("fixed on --resume")
+    help_text = meta["help"] + "".join(f"; {e}" for e in extra if e)
+    if meta["kind"] is bool:
+      parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
+    else:
+      metavar = "{" + ",".join(map(str, meta["choices"])) + "}" if meta["choices"] else None
+      parser.add_argument(flag, type=meta["kind"], default=field.default, help=help_text,
+                          metavar=metavar)
+
+
+def from_args(args) -> TrainConfig:
+  """The :class:`TrainConfig` of parsed :func:`add_flags` arguments."""
+  return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
