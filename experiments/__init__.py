@@ -4,13 +4,15 @@ import importlib.util
 import os
 
 
-def _default_to_cpu_without_gpu() -> None:
+def use_cpu_without_gpu() -> None:
   """Chooses the CPU when the CUDA plugin is installed but no NVIDIA GPU is.
 
   The ``gpu-compile`` extra installs JAX's CUDA plugin for deviceless XLA:GPU
   compilation; on a machine without a GPU, JAX would otherwise try to start it
   and print a long CUDA error before falling back to the CPU. An explicit
   ``JAX_PLATFORMS`` always wins, and machines with a TPU runtime are left alone.
+  Every command calls it first thing in ``main`` (JAX reads the variable when
+  it starts a backend, not on import); importing the package changes nothing.
   """
   if "JAX_PLATFORMS" in os.environ:
     return
@@ -23,5 +25,3 @@ def _default_to_cpu_without_gpu() -> None:
   if has_cuda_plugin and not has_nvidia_gpu and not has_tpu:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
-
-_default_to_cpu_without_gpu()

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import experiments
 import skewadam_jax
 
 GB = 1e9
@@ -270,7 +271,7 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   """
   from experiments import memory  # pylint: disable=import-outside-toplevel
   _, _, params, _ = memory.abstract_model(preset, jnp.bfloat16)
-  sharding, warning = memory._target_sharding(target)  # pylint: disable=protected-access
+  sharding, warning = memory.target_sharding(target)
   place = lambda t: memory.with_sharding(t, sharding)
   n = sum(x.size for x in jax.tree.leaves(params))
   temp, traffic = {}, {}
@@ -308,6 +309,7 @@ def markdown(update: dict, train: dict | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
   parser = argparse.ArgumentParser(prog="python -m experiments.bench",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=6)
@@ -327,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "on the A100-40GB target")
   args = parser.parse_args(argv)
   if args.update_temp:
+    from experiments import memory  # pylint: disable=import-outside-toplevel
+    memory.use_deviceless_gpu_environment()
     result = update_temp_bytes()
     print(json.dumps(result, indent=2) if args.json else "\n".join(
         [f"update alone, {result['preset']} (bf16 params), compiled for {result['target']}:"]

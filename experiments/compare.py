@@ -53,6 +53,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
+import experiments
 from experiments import optimizers
 from experiments import state_bytes
 from experiments import train as train_lib
@@ -367,6 +368,7 @@ def _plot_frontier(plt, rows, names, path):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
   parser = argparse.ArgumentParser(prog="python -m experiments.compare",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="small")

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Sequence
 
+import experiments
+
 
 def _total_gpu_bytes() -> int | None:
   try:
@@ -50,7 +52,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
 
   import models
   from experiments import memory as memory_lib
-  from experiments import train as train_lib
+  from experiments import steps as steps_lib
 
   device = jax.devices()[0]
   result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device)}
@@ -67,7 +69,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     params = init_params()
     tx = memory_lib.make_tx(optimizer)
     opt_state = jax.jit(tx.init)(params)
-    train_step, _ = train_lib.make_step_fns(graphdef, rest, tx)
+    train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
     step = jax.jit(train_step, donate_argnums=(0, 1))
     key = jax.random.PRNGKey(0)
     times = []
@@ -90,6 +92,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
   parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="moe-6.78b")

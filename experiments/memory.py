@@ -24,18 +24,10 @@ the result carries a warning: XLA:CPU reports 2.5–4× the GPU's temporaries.
 
 from __future__ import annotations
 
-import os
-
-# Deviceless GPU compilation needs the CPU as the only runtime platform, and
-# XLA:GPU's CUB sort asks the CUDA runtime for scratch space (absent here).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_gpu_enable_cub_radix_sort" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_gpu_enable_cub_radix_sort=false").strip()
-
-import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse
 import functools
 import json
+import os
 import pathlib
 import re
 import sys
@@ -48,9 +40,11 @@ from flax import nnx
 
 import models
 import skewadam_jax
+import experiments
+from experiments import config as config_lib
 from experiments import optimizers
 from experiments import state_bytes
-from experiments import train as train_lib
+from experiments import steps as steps_lib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"
 TARGETS = {"a100-40gb": "a100_sxm_40gb.txtpb", "h100-80gb": "h100_sxm.txtpb", "cpu": None}
@@ -69,7 +63,23 @@ def target_device_bytes(target: str) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _target_sharding(target: str):
+def use_deviceless_gpu_environment() -> None:
+  """Sets what deviceless GPU compilation needs; call before JAX starts a backend.
+
+  The CPU as the only runtime platform, and XLA:GPU's CUB radix sort off: it
+  asks the CUDA runtime (absent here) for scratch space on sorts of 65,536 or
+  more elements. Commands that compile for a GPU target without one
+  (``memory``, ``bench --update-temp``) call it first thing in ``main``;
+  importing this module changes nothing, so a process on a real GPU
+  (``gpu_check``) keeps the sort training uses.
+  """
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "--xla_gpu_enable_cub_radix_sort" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_cub_radix_sort=false").strip()
+
+
+def target_sharding(target: str):
   """(sharding, warning) to compile for: the GPU target's one device, or the CPU."""
   if target not in TARGETS:
     raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
@@ -90,7 +100,7 @@ def _target_sharding(target: str):
 
 def gpu_compile_available(target: str = "a100-40gb") -> bool:
   """Whether deviceless compilation for ``target`` works in this environment."""
-  return _target_sharding(target)[1] is None
+  return target_sharding(target)[1] is None
 
 
 def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
@@ -117,8 +127,8 @@ def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
   _, graphdef, params, rest = abstract_model(preset, param_dtype, **overrides)
   tx = make_tx(optimizer, skewadam_tiers)
   opt_state = jax.eval_shape(tx.init, params)
-  train_step, _ = train_lib.make_step_fns(graphdef, rest, tx)
-  sharding, warning = _target_sharding(target)
+  train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
+  sharding, warning = target_sharding(target)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
   compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
       with_sharding(params, sharding), with_sharding(opt_state, sharding),
@@ -211,7 +221,7 @@ def _human(nbytes: int) -> str:
 
 
 def _parse_tiers(args) -> dict:
-  return train_lib.TrainConfig(
+  return config_lib.TrainConfig(
       expert_momentum=args.expert_momentum, backbone_momentum=args.backbone_momentum,
       backbone_second_moment=args.backbone_second_moment,
       router_second_moment=args.router_second_moment).skewadam_tiers()
@@ -233,6 +243,8 @@ def markdown_table(reports: Sequence[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  use_deviceless_gpu_environment()
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv and argv[0] == "--table":
     print(markdown_table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))

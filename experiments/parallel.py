@@ -51,6 +51,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import skewadam_jax
+import experiments
+from experiments.steps import make_step_fns
 
 DATA, EXPERT = "data", "expert"
 MESH_AXES = (DATA, EXPERT)
@@ -298,7 +300,7 @@ def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
                        donate: bool = True) -> Callable:
   """Compiles ``train_step(params, opt_state, inputs, targets, **kwargs)`` for the mesh.
 
-  ``train_step`` is the training command's (``experiments.train.make_step_fns``).
+  ``train_step`` is the training command's (``experiments.steps.make_step_fns``).
   Inputs and outputs have explicit shardings, so parameters and optimizer
   state come out exactly as they went in (step after step, nothing drifts to
   replicated) and metrics come out replicated. ``jit`` takes no keyword
@@ -361,7 +363,7 @@ def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
     mesh: from :func:`make_mesh`.
     tx: the optimizer.
     params: the parameters (or ``ShapeDtypeStruct`` s).
-    train_step, eval_step: as returned by ``experiments.train.make_step_fns``.
+    train_step, eval_step: as returned by ``experiments.steps.make_step_fns``.
     fsdp: see :func:`param_shardings`.
   """
   s = train_shardings(mesh, tx, params, fsdp=fsdp)
@@ -503,7 +505,6 @@ def _run(args) -> dict:
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import models  # pylint: disable=import-outside-toplevel
   from experiments import optimizers  # pylint: disable=import-outside-toplevel
-  from experiments.train import make_step_fns  # pylint: disable=import-outside-toplevel
 
   overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
   config = models.get_preset(args.preset, **overrides)
@@ -576,6 +577,7 @@ def _print_report(result: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
   parser = argparse.ArgumentParser(
       prog="python -m experiments.parallel", description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="tiny")

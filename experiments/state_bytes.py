@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import models
+import experiments
 import skewadam_jax
 from experiments import optimizers
 
@@ -49,6 +50,7 @@ def state_bytes(preset: str, optimizer: str, *, skewadam_tiers: dict | None = No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
   parser = argparse.ArgumentParser(prog="python -m experiments.state_bytes",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="moe-6.78b")

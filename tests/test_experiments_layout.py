@@ -1,0 +1,59 @@
+"""The experiments package: no import cycles, no environment changes on import."""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "experiments"
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Module -> the experiments modules it imports (anywhere in the file)."""
+  graph = {}
+  for path in PACKAGE.glob("*.py"):
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+        if node.module == "experiments":
+          deps |= {alias.name for alias in node.names}
+        else:
+          deps.add(node.module.split(".")[1])
+      elif isinstance(node, ast.Import):
+        deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("experiments.")}
+    graph[path.stem] = deps
+  return graph
+
+
+def test_no_import_cycles():
+  graph = import_graph()
+  assert {"train", "parallel", "steps", "config"} <= set(graph)
+  done, active = set(), []
+
+  def visit(module):
+    if module in active:
+      raise AssertionError("import cycle: " + " -> ".join(active[active.index(module):]
+                                                          + [module]))
+    if module in done or module not in graph:
+      return
+    active.append(module)
+    for dep in sorted(graph[module]):
+      visit(dep)
+    active.pop()
+    done.add(module)
+
+  for module in sorted(graph):
+    visit(module)
+
+
+def test_importing_the_commands_changes_no_environment_variable():
+  code = ("import os, json; before = dict(os.environ); "
+          "import experiments.memory, experiments.bench, experiments.gpu_check, "
+          "experiments.train, experiments.parallel; "
+          "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                       capture_output=True, text=True).stdout
+  assert out.strip().splitlines()[-1] == "{}"
