@@ -40,6 +40,11 @@ DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
 _MUON_EXCLUDE = re.compile(r"(^|/)(embed|unembed|router)(/|$)")
 
 
+# The weight-decay mask every optimizer is given (Muon applies it only to its
+# orthogonalised part; state_bytes.decayed_by_path observes what is decayed).
+WEIGHT_DECAY_MASK = skewadam_jax.matrices_only
+
+
 def lr_schedule(peak_lr: float, total_steps: int, warmup_steps: int):
   """Linear warmup to ``peak_lr``, then cosine decay to ``peak_lr / 10``."""
   warmup_steps = max(1, min(warmup_steps, total_steps - 1)) if total_steps > 1 else 0
@@ -104,7 +109,7 @@ def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
   Raises:
     ValueError: for an unknown name.
   """
-  mask = skewadam_jax.matrices_only
+  mask = WEIGHT_DECAY_MASK
   if name == "adamw":
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
                      mask=mask, mu_dtype=jnp.float32)

@@ -9,6 +9,8 @@ from ``jax.eval_shape(tx.init, params)``; the byte counts are exact.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import sys
 from typing import Sequence
 
@@ -49,13 +51,101 @@ def state_bytes(preset: str, optimizer: str, *, skewadam_tiers: dict | None = No
   return skewadam_jax.abstract_state_bytes_by_tier(tx, abstract_params(preset, param_dtype))
 
 
+@functools.cache
+def _decayed_by_path(optimizer: str, tiers_json: str) -> dict[str, bool]:
+  params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), abstract_params("tiny"))
+  tx = optimizers.make_optimizer(optimizer, learning_rate=1.0, weight_decay=0.1,
+                                 skewadam_tiers=json.loads(tiers_json) or None)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+  paths, moved, _ = skewadam_jax.labels.flatten_with_paths(updates)
+  return {path: bool(jnp.any(u != 0)) for path, u in zip(paths, moved)}
+
+
+def decayed_by_path(optimizer: str, *, skewadam_tiers: dict | None = None) -> dict[str, bool]:
+  """Which parameters ``optimizer`` decays, by path, observed rather than assumed.
+
+  One update of the training command's own optimizer with zero gradients on
+  the ``tiny`` preset (all presets share the model's parameter paths): a
+  parameter that moves was decayed. This catches what a mask alone would not
+  say, e.g. ``optax.contrib.muon`` decays every leaf of its AdamW part
+  (embeddings, router, norm scales) with ``adam_weight_decay``, whatever
+  ``weight_decay_mask`` says.
+  """
+  return _decayed_by_path(optimizer, json.dumps(skewadam_tiers or {}, sort_keys=True))
+
+
+def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
+             param_dtype=jnp.float32) -> list[dict]:
+  """What ``optimizer`` does with each parameter of ``preset``, one dict per leaf.
+
+  Read from the objects the training step is built from: the weight-decay
+  optimizer's observed weight decay (:func:`decayed_by_path`), Muon's
+  dimension numbers that :func:`optimizers.make_optimizer` passes on,
+  SkewAdam's :func:`skewadam_jax.leaf_plans` with the same tiers,
+  and the state's bytes per parameter (:func:`skewadam_jax.state_bytes_per_param`
+  of the optimizer itself). Keys that do not apply to ``optimizer`` are
+  ``None``; ``axes`` (the model's logical axes) is ``None`` until the model
+  declares them.
+  """
+  params = abstract_params(preset, param_dtype)
+  tx = optimizers.make_optimizer(optimizer, learning_rate=1e-3, skewadam_tiers=skewadam_tiers)
+  paths, leaves, _ = skewadam_jax.labels.flatten_with_paths(params)
+  decayed_paths = decayed_by_path(optimizer, skewadam_tiers=skewadam_tiers)
+  decayed = [decayed_paths.get(path) for path in paths]
+  nbytes = skewadam_jax.state_bytes_per_param(tx, params)
+  plans = (skewadam_jax.leaf_plans(params, **(skewadam_tiers or {}))
+           if optimizer == "skewadam" else [None] * len(leaves))
+  orthogonal = None
+  if optimizer == "muon":
+    dims = optimizers.muon_dimension_numbers(params)
+    orthogonal = [d is not None for d in jax.tree.leaves(
+        dims, is_leaf=lambda x: x is None or isinstance(x, optimizers.MuonDimensionNumbers))]
+  rows = []
+  for i, (path, leaf, plan) in enumerate(zip(paths, leaves, plans)):
+    rows.append({
+        "path": path, "shape": list(leaf.shape), "axes": None,
+        "tier": plan.tier if plan else None,
+        "momentum": (plan.encoding.name if plan.encoding else "none") if plan else None,
+        "second_moment": ("factored" if plan.factored else "exact") if plan else None,
+        "decayed": decayed[i],
+        "orthogonalized": orthogonal[i] if orthogonal is not None else None,
+        "state_bytes": nbytes[i]})
+  return rows
+
+
+def per_leaf_markdown(rows: list[dict]) -> str:
+  """The per-leaf plan as a Markdown table."""
+  keys = ("path", "shape", "tier", "momentum", "second_moment", "decayed",
+          "orthogonalized", "state_bytes")
+  lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+  for row in rows:
+    cells = ["—" if row[k] is None else str(row[k]) for k in keys]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   experiments.use_cpu_without_gpu()
   parser = argparse.ArgumentParser(prog="python -m experiments.state_bytes",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="moe-6.78b")
-  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS))
+  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS),
+                      help="comma-separated, from " + ", ".join(optimizers.OPTIMIZERS))
+  parser.add_argument("--per-leaf", action="store_true",
+                      help="list every parameter and what --optimizer does with it")
+  parser.add_argument("--optimizer", default="skewadam",
+                      help="with --per-leaf: one of " + ", ".join(optimizers.OPTIMIZERS))
+  parser.add_argument("--json", action="store_true", help="with --per-leaf: JSON")
   args = parser.parse_args(argv)
+  if args.per_leaf:
+    if args.optimizer not in optimizers.OPTIMIZERS:
+      print(f"error: unknown optimizer {args.optimizer!r}", file=sys.stderr)
+      return 2
+    rows = per_leaf(args.preset, args.optimizer)
+    print(json.dumps({"preset": args.preset, "optimizer": args.optimizer, "leaves": rows},
+                     indent=1) if args.json else per_leaf_markdown(rows))
+    return 0
   print(f"| optimizer ({args.preset}, fp32 params) | backbone | expert | router | total |")
   print("|---|---|---|---|---|")
   for name in args.optimizers.split(","):

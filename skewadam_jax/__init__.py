@@ -12,7 +12,7 @@ The public API:
 * :func:`matrices_only`, :func:`add_decayed_weights_to_matrices` — weight
   decay on declared matrices.
 * :func:`state_bytes_by_tier`, :func:`abstract_state_bytes_by_tier`,
-  :func:`tree_bytes` — exact state accounting.
+  :func:`state_bytes_per_param`, :func:`tree_bytes` — exact state accounting.
 * :func:`apply_updates_stochastic`, :func:`stochastic_round_to_bf16` —
   unbiased stochastic rounding of updates to bfloat16 parameters.
 * :func:`state_shardings` — optimizer-state shardings from parameter shardings.
@@ -20,6 +20,7 @@ The public API:
 
 from skewadam_jax.accounting import abstract_state_bytes_by_tier
 from skewadam_jax.accounting import state_bytes_by_tier
+from skewadam_jax.accounting import state_bytes_per_param
 from skewadam_jax.accounting import tree_bytes
 from skewadam_jax.axes import MatrixAxes
 from skewadam_jax.encodings import ENCODINGS
@@ -56,6 +57,6 @@ __all__ = [
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "get_encoding", "label_fn", "leaf_plans",
     "matrices_only", "moe_param_labels", "scale_by_skewadam", "skewadam",
-    "state_bytes_by_tier", "state_shardings", "stochastic_round_to_bf16",
+    "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",
 ]

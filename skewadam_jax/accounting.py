@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import jax
+import optax
 
 from skewadam_jax import labels as labels_lib
 from skewadam_jax import transform
@@ -110,3 +111,37 @@ def abstract_state_bytes_by_tier(tx, params, **patterns) -> dict[str, int]:
       :func:`state_bytes_by_tier`.
   """
   return state_bytes_by_tier(jax.eval_shape(tx.init, params), **patterns)
+
+
+def state_bytes_per_param(tx, params) -> list[int]:
+  """Optimizer-state bytes that belong to each parameter, in flattening order.
+
+  Every state tree shaped like the parameters (found with
+  ``optax.tree.map_params``: SkewAdam's fields, AdamW's ``mu``/``nu``,
+  Adafactor's statistics, ``MultiSteps`` accumulators) adds each array's
+  bytes to its parameter. SkewAdam's placeholders, step counts and other
+  scalars belong to no parameter and are not counted. Nothing is allocated.
+
+  Args:
+    tx: any optax ``GradientTransformation``.
+    params: parameters or a matching tree of ``jax.ShapeDtypeStruct``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> params = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32),
+    ...           "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    >>> state_bytes_per_param(optax.adam(1e-3), params)  # b, w: fp32 m and v
+    [64, 256]
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  totals = [0] * len(leaves)
+  abstract = jax.eval_shape(tx.init, params)
+
+  def add(leaf, index):
+    if not isinstance(leaf, optax.MaskedNode) and not transform.is_placeholder(leaf):
+      totals[index] += leaf_bytes(leaf)
+    return leaf
+
+  optax.tree.map_params(tx, add, abstract, treedef.unflatten(range(len(leaves))),
+                        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  return totals

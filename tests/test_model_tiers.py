@@ -47,3 +47,42 @@ def test_6p78b_split_and_state_bytes_from_the_real_model():
       "moe-6.78b", "skewadam", skewadam_tiers={"backbone": {"momentum": "fp32",
                                                             "second_moment": "exact"}})
   assert adam_backbone["backbone"] == 8 * counts["backbone"]
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+  return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), state_bytes.abstract_params("tiny"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "skewadam", "muon", "lion", "adafactor"])
+def test_per_leaf_plan_matches_what_the_optimizer_does(tiny_params, optimizer):
+  from experiments import optimizers  # pylint: disable=import-outside-toplevel
+  rows = state_bytes.per_leaf("tiny", optimizer)
+  paths, leaves, _ = labels_lib.flatten_with_paths(tiny_params)
+  assert [r["path"] for r in rows] == paths
+  # Zero gradients: only weight decay moves a parameter, and only where "decayed".
+  tx = optimizers.make_optimizer(optimizer, learning_rate=1.0, weight_decay=0.1)
+  zeros = jax.tree.map(jnp.zeros_like, tiny_params)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(tiny_params), tiny_params)
+  moved = [bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates)]
+  assert [r["decayed"] for r in rows] == moved
+  total = skewadam_jax.abstract_state_bytes_by_tier(
+      tx, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tiny_params))["total"]
+  assert 0 < total - sum(r["state_bytes"] for r in rows) <= 200  # counts and placeholders
+  if optimizer == "skewadam":
+    state = tx.init(tiny_params)[1][0]
+    for row, nu in zip(rows, jax.tree.leaves(state.nu)):
+      assert (row["second_moment"] == "exact") == (tuple(nu.shape) == tuple(row["shape"]))
+  else:
+    assert {r["tier"] for r in rows} == {None}
+  assert ({r["orthogonalized"] for r in rows} == {None}) == (optimizer != "muon")
+
+
+def test_per_leaf_command_writes_json(capsys):
+  assert state_bytes.main(["--preset", "tiny", "--per-leaf", "--optimizer", "skewadam",
+                           "--json"]) == 0
+  import json  # pylint: disable=import-outside-toplevel
+  report = json.loads(capsys.readouterr().out)
+  keys = {"path", "shape", "axes", "tier", "momentum", "second_moment", "decayed",
+          "orthogonalized", "state_bytes"}
+  assert report["leaves"] and all(set(r) == keys for r in report["leaves"])
