@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -137,10 +138,13 @@ def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
   return [base * f for f in factors]
 
 
-def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, **overrides) -> dict:
+def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, *,
+         keep_checkpoints: bool = False, **overrides) -> dict:
   config = dataclasses.replace(base, **overrides)
   shutil.rmtree(out, ignore_errors=True)  # a rerun replaces its own earlier run
   summary = train_lib.train(config, out, cache_dir=cache_dir, progress=False)
+  if not keep_checkpoints:  # the comparison needs the metrics and summary only
+    shutil.rmtree(out / "ckpt", ignore_errors=True)
   curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   return {"val_ppl": summary["val_ppl"], "tokens_per_s": summary["tokens_per_s"],
           "median_step_s": summary.get("median_step_s"),
@@ -151,14 +155,26 @@ def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, **overrides)
 def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.TrainConfig,
             out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
-            max_extensions: int = 2, cache_dir=None, log=print) -> list[dict]:
+            max_extensions: int = 2, cache_dir=None, log=print,
+            keep_checkpoints: bool = False, progress: bool = False) -> list[dict]:
   """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
 
   SkewAdam configurations are resolved against the defaults and run once
-  each, however many entries name them.
+  each, however many entries name them. Each run keeps its ``metrics.jsonl``
+  and ``summary.json``; its checkpoints are deleted unless
+  ``keep_checkpoints``. ``progress`` shows one bar over all runs (its total is
+  the most runs the protocol can take, lowered as grids end early).
   """
   out_dir = pathlib.Path(out_dir)
   rows, seen = [], []
+  unique = {(o, json.dumps(resolve_config(c or {}) if o == "skewadam" else None,
+                           sort_keys=True)) for o, c in entries}
+  extensions = max_extensions if len(lr_factors) > 1 else 0
+  per_entry = len(lr_factors) + extensions + len(seeds)
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  bar = tqdm(total=per_entry * len(unique), desc="compare", unit="run", disable=not progress,
+             dynamic_ncols=True, file=sys.stderr)
+  run_one = functools.partial(_run, keep_checkpoints=keep_checkpoints)
   for optimizer, config in entries:
     if optimizer == "skewadam":
       config = resolve_config(config or {})
@@ -172,12 +188,13 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.Train
     sweep = []
 
     def try_lr(lr):
-      result = _run(base, out_dir / f"{name}-sweep-lr{lr:.2e}", cache_dir,
+      result = run_one(base, out_dir / f"{name}-sweep-lr{lr:.2e}", cache_dir,
                     optimizer=optimizer, lr=lr, steps=sweep_steps, seed=seeds[0],
                     warmup_steps=max(1, sweep_steps // 10), **overrides)
       sweep.append({"lr": lr, "val_ppl": result["val_ppl"]})
       sweep.sort(key=lambda r: r["lr"])
       log(f"{name}: sweep lr {lr:.2e} -> val ppl {result['val_ppl']:.2f}")
+      bar.update(1)
 
     score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
     for lr in lr_grid(optimizer, lr_factors):
@@ -185,7 +202,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.Train
     # A best rate at the edge of the grid is not a tuned rate: extend the grid
     # (by the grid's own step) in that direction, a bounded number of times.
     step = (max(lr_factors) / min(lr_factors)) ** (1 / max(1, len(lr_factors) - 1))
-    for _ in range(max_extensions if len(lr_factors) > 1 else 0):
+    for _ in range(extensions):
       best = min(sweep, key=score)
       if best is sweep[-1]:
         try_lr(best["lr"] * step)
@@ -193,10 +210,13 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.Train
         try_lr(best["lr"] / step)
       else:
         break
+    bar.total -= len(lr_factors) + extensions - len(sweep)  # extensions not needed
+    bar.refresh()
     best = min(sweep, key=score)
-    finals = [_run(base, out_dir / f"{name}-seed{seed}", cache_dir,
+    finals = [run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
                    optimizer=optimizer, lr=best["lr"], steps=steps, seed=seed,
                    warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
+    bar.update(len(finals))
     ppls = [f["val_ppl"] for f in finals]
     tiers = dataclasses.replace(base, **overrides).skewadam_tiers()  # pylint: disable=no-member
     rows.append({
@@ -213,6 +233,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.Train
     })
     log(f"{name}: lr {best['lr']:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
         f"± {rows[-1]['val_ppl_std']:.2f}")
+  bar.close()
   _add_step_time_ratios(rows)
   return rows
 
@@ -246,13 +267,12 @@ def is_default(row: dict) -> bool:
   return not isinstance(row["config"], dict) or row["config"] == resolve_config({})
 
 
-def short_name(row: dict) -> str:
-  """A row's name for plots: SkewAdam configurations by how they differ from REFERENCE."""
+def plot_name(row: dict) -> str:
+  """A row's name for plots: the optimizer, and SkewAdam's configuration in full."""
   if row["optimizer"] != "skewadam":
     return row["optimizer"]
-  diff = [f"{k}={v}" for k, v in row["config"].items() if REFERENCE.get(k) != v]
-  return "skewadam" + (" " + ",".join(diff) if diff else " (reference)") + (
-      " *" if is_default(row) else "")
+  config = ", ".join(f"{k}={v}" for k, v in row["config"].items())
+  return f"skewadam {config}" + (" (default)" if is_default(row) else "")
 
 
 def _config_cell(row: dict, mark_default: bool = True) -> str:
@@ -298,11 +318,11 @@ def choice_text(rows: Sequence[dict]) -> str:
 
 
 def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
-  """Writes val_ppl.png, state_bytes.png and (with 2+ SkewAdam rows) frontier.png."""
+  """Writes val_ppl.png, state_bytes.png and (with a SkewAdam row) frontier.png."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  names = [short_name(r) for r in rows]
+  names = [plot_name(r) for r in rows]
   fig, ax = plt.subplots(figsize=(8, 5))
   for name, r in zip(names, rows):
     tokens, ppl = zip(*r["curve_seed0"]) if r["curve_seed0"] else ((), ())
@@ -313,14 +333,14 @@ def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
   fig.tight_layout()
   paths = [out_dir / "val_ppl.png"]
   fig.savefig(paths[-1], dpi=120)
-  fig, ax = plt.subplots(figsize=(8, 5))
+  fig, ax = plt.subplots(figsize=(11, 5))
   ax.barh(names, [r["opt_state_bytes_6p78b"] / 1e9 for r in rows])
   ax.set(xlabel="optimizer state at moe-6.78b (GB)", xscale="log",
          title="Optimizer state for the 6.78B MoE")
   fig.tight_layout()
   paths.append(out_dir / "state_bytes.png")
   fig.savefig(paths[-1], dpi=120)
-  if sum(r["optimizer"] == "skewadam" for r in rows) > 1:
+  if any(r["optimizer"] == "skewadam" for r in rows):
     paths.append(_plot_frontier(plt, rows, names, out_dir / "frontier.png"))
   plt.close("all")
   return paths
@@ -332,7 +352,7 @@ def _plot_frontier(plt, rows, names, path):
   top = max(r["val_ppl_mean"] + r["val_ppl_std"] for r in skew)
   bottom = min(r["val_ppl_mean"] - r["val_ppl_std"] for r in rows)
   limit = top + 0.25 * (top - bottom)
-  fig, ax = plt.subplots(figsize=(9, 5.5))
+  fig, ax = plt.subplots(figsize=(13, 5.5))
   markers = "osD^v<>pPX*h"
   shown, hidden = [], []
   for k, (name, r) in enumerate(zip(names, rows)):
@@ -357,7 +377,7 @@ def _plot_frontier(plt, rows, names, path):
          ylabel="validation perplexity (mean ± std over seeds)",
          xticks=[t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
                  if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]],
-         title="Quality against optimizer memory (* = default)"
+         title="Quality against optimizer memory"
          + (f"\noff the chart: {'; '.join(hidden)}" if hidden else ""))
   ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
   ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
@@ -388,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs)")
   parser.add_argument("--render", default=None, metavar="COMPARE_JSON",
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
+  parser.add_argument("--keep-checkpoints", action="store_true",
+                      help="keep each run's checkpoints (default: only its metrics and summary)")
+  parser.add_argument("--no-progress", action="store_true", help="no overall progress bar")
   parser.add_argument("--keep-rows-from", default=None, metavar="COMPARE_JSON",
                       help="add this saved comparison's rows that were not (re)run "
                       "(with --render: merge the two into OUT/compare.json)")
@@ -428,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
                    max_extensions=budget["max_extensions"],
-                   log=lambda m: print(m, file=sys.stderr, flush=True))
+                   log=lambda m: print(m, file=sys.stderr, flush=True),
+                   keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress)
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -36,6 +36,10 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
   assert table.count("\n| skewadam") == 2 and "(default)" in table
   for name in ("val_ppl.png", "state_bytes.png", "frontier.png"):
     assert (tmp_path / "cmp" / name).stat().st_size > 1000
+  # Each run keeps its metrics and summary, not its checkpoints.
+  runs = list((tmp_path / "cmp" / "runs").iterdir())
+  assert len(runs) >= 3 * (3 + 2)
+  assert all((r / "summary.json").exists() and not (r / "ckpt").exists() for r in runs)
   # --render redraws the same table from the JSON alone.
   assert compare.main(["--render", str(tmp_path / "cmp" / "compare.json"),
                        "--out", str(tmp_path / "again")]) == 0
