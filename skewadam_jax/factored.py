@@ -54,12 +54,8 @@ def factored_shapes(shape, axes: MatrixAxes) -> tuple[tuple[int, ...], tuple[int
   return tuple(row), tuple(col)
 
 
-def safe_mean(x: jax.Array, axis: int) -> jax.Array:
-  """Mean over ``axis`` (kept as length 1); 0, not NaN, over an empty axis."""
-  return jnp.expand_dims(_mean(x, axis), axis)
-
-
 def _mean(x: jax.Array, axis: int) -> jax.Array:
+  """Mean over ``axis``; 0, not NaN, over an empty axis."""
   return jnp.sum(x, axis=axis) / max(1, x.shape[axis])
 
 
