@@ -11,8 +11,8 @@ def use_cpu_without_gpu() -> None:
   compilation; on a machine without a GPU, JAX would otherwise try to start it
   and print a long CUDA error before falling back to the CPU. An explicit
   ``JAX_PLATFORMS`` always wins, and machines with a TPU runtime are left alone.
-  Every command calls it first thing in ``main`` (JAX reads the variable when
-  it starts a backend, not on import); importing the package changes nothing.
+  Every command calls it first thing in ``main``, before JAX starts a
+  backend; importing the package changes nothing.
   """
   if "JAX_PLATFORMS" in os.environ:
     return
@@ -23,5 +23,17 @@ def use_cpu_without_gpu() -> None:
   has_nvidia_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
   has_tpu = importlib.util.find_spec("libtpu") is not None
   if has_cuda_plugin and not has_nvidia_gpu and not has_tpu:
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    use_platforms("cpu")
+
+
+def use_platforms(platforms: str) -> None:
+  """Makes JAX start only ``platforms`` (e.g. ``"cpu"``), in this process and its children.
+
+  JAX reads ``JAX_PLATFORMS`` when it is imported, so a command that decides
+  in ``main`` sets the config option as well as the variable (which the
+  processes it starts read).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  os.environ["JAX_PLATFORMS"] = platforms
+  jax.config.update("jax_platforms", platforms)
 

@@ -73,7 +73,8 @@ def use_deviceless_gpu_environment() -> None:
   importing this module changes nothing, so a process on a real GPU
   (``gpu_check``) keeps the sort training uses.
   """
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "JAX_PLATFORMS" not in os.environ:
+    experiments.use_platforms("cpu")
   if "--xla_gpu_enable_cub_radix_sort" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_enable_cub_radix_sort=false").strip()

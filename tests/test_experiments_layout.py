@@ -57,3 +57,18 @@ def test_importing_the_commands_changes_no_environment_variable():
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                        capture_output=True, text=True).stdout
   assert out.strip().splitlines()[-1] == "{}"
+
+
+def test_commands_choose_the_cpu_quietly_without_a_gpu():
+  # JAX reads JAX_PLATFORMS when it is imported: a command that decides in
+  # main() must set the config option too, or JAX starts the CUDA plugin
+  # (installed by the gpu-compile extra) and prints its failure.
+  code = ("import jax, experiments; experiments.use_cpu_without_gpu(); "
+          "print(jax.default_backend())")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                        capture_output=True, text=True)
+  has_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
+  if not has_gpu:
+    assert done.stdout.strip() == "cpu"
+    assert "Unable to load CUDA" not in done.stderr and "Traceback" not in done.stderr
