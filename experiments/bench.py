@@ -276,7 +276,7 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   n = sum(x.size for x in jax.tree.leaves(params))
   temp, traffic = {}, {}
   for name in ("skewadam", "adamw"):
-    tx = memory.make_tx(name)
+    tx = memory.make_tx(name, preset)
     state = jax.eval_shape(tx.init, params)
     compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
         place(params), place(state), place(params)).compile()

@@ -67,7 +67,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
 
     _, graphdef, _, rest = memory_lib.abstract_model(preset, jnp.bfloat16)
     params = init_params()
-    tx = memory_lib.make_tx(optimizer)
+    tx = memory_lib.make_tx(optimizer, preset)
     opt_state = jax.jit(tx.init)(params)
     train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
     step = jax.jit(train_step, donate_argnums=(0, 1))

@@ -109,11 +109,11 @@ def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
   return state_bytes.abstract_model(preset, param_dtype, **overrides)
 
 
-def make_tx(optimizer: str, skewadam_tiers: dict | None = None):
-  """The training command's optimizer (schedule values do not change memory)."""
+def make_tx(optimizer: str, preset: str, skewadam_tiers: dict | None = None):
+  """The training command's optimizer for ``preset`` (schedule values do not change memory)."""
   return optimizers.make_optimizer(
       optimizer, learning_rate=optimizers.lr_schedule(1e-3, 1000, 100),
-      skewadam_tiers=skewadam_tiers)
+      axes=state_bytes.abstract_axes(preset), skewadam_tiers=skewadam_tiers)
 
 
 def with_sharding(tree, sharding):
@@ -126,7 +126,7 @@ def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
                  param_dtype: Any = jnp.bfloat16, **overrides) -> dict:
   """XLA's memory analysis of the donated train step, compiled for ``target``."""
   _, graphdef, params, rest = abstract_model(preset, param_dtype, **overrides)
-  tx = make_tx(optimizer, skewadam_tiers)
+  tx = make_tx(optimizer, preset, skewadam_tiers)
   opt_state = jax.eval_shape(tx.init, params)
   train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
   sharding, warning = target_sharding(target)
@@ -177,7 +177,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:
     raise ValueError(f"--seq must be in [1, {config.max_seq_len}] for {preset}, got {seq}")
-  tx = make_tx(optimizer, skewadam_tiers)
+  tx = make_tx(optimizer, preset, skewadam_tiers)
   state_by_tier = skewadam_jax.abstract_state_bytes_by_tier(tx, params)
   param_bytes = skewadam_jax.tree_bytes(params)
   compiled = compile_step(preset, optimizer, batch=batch, seq=seq, target=target,

@@ -2,8 +2,20 @@
 
 Every optimizer gets the same learning-rate schedule shape (linear warmup, cosine
 decay to 10 % of the peak) and the same global-norm clipping; each gets its own
-peak learning rate. Weight decay is decoupled and applied to matrices only
-(leaves with 2 or more dimensions) for every optimizer:
+peak learning rate. What each does with a parameter follows from the model's
+declared logical axes (:mod:`models.axes`), read once and passed as ``axes``
+(``{path: names}`` from :func:`models.logical_axes`):
+
+* **weight decay** (decoupled) on matrices only, for every optimizer and every
+  part of Muon: never on a norm scale or another vector, stacked or not
+  (:func:`decay_mask`);
+* **SkewAdam** gets the tier of each parameter and its matrix axes, so a
+  stacked norm scale ``[L, D]`` keeps an exact second moment
+  (:func:`skewadam_axes`);
+* **Muon** orthogonalises the attention and expert matrices over their two
+  matrix axes (the layer and expert axes are batch axes); embeddings, the
+  unembedding (a ``vocab`` axis), the router and vectors go to AdamW
+  (:func:`muon_dimension_numbers`).
 
 Every baseline keeps its state in fp32 whatever the parameter dtype
 (:func:`with_fp32_state`); SkewAdam's dtypes are set per tier.
@@ -12,15 +24,14 @@ Every baseline keeps its state in fp32 whatever the parameter dtype
 |---|---|---|
 | adamw | ``optax.adamw`` (fp32 moments) | ``weight_decay`` on matrices |
 | skewadam | ``skewadam_jax.skewadam`` (tier configs from ``skewadam_tiers``) | same |
-| muon | ``optax.contrib.muon``: Newton–Schulz on the last two axes of attention and expert matrices (layer and expert axes are batch axes); AdamW for embeddings, unembedding, router and vectors | same on both parts |
+| muon | ``optax.contrib.muon`` on the orthogonalised matrices, ``optax.adamw`` (Nesterov, as Muon's own AdamW part) on the rest, through ``optax.partition`` | same on both parts |
 | lion | ``optax.lion`` | same (Lion's usual lr is ~10× smaller) |
 | adafactor | ``optax.adafactor`` without momentum, its relative step replaced by our schedule | same, as ``weight_decay_rate`` |
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +39,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
 import skewadam_jax
+from models import axes as model_axes
 
 OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor")
 
@@ -36,13 +48,71 @@ OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor")
 DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
               "adafactor": 3e-3}
 
-# Parameters Muon leaves to AdamW: embeddings, unembedding, the router.
-_MUON_EXCLUDE = re.compile(r"(^|/)(embed|unembed|router)(/|$)")
+Axes = Mapping[str, tuple]  # {path: logical axis names}, from models.logical_axes
 
 
-# The weight-decay mask every optimizer is given (Muon applies it only to its
-# orthogonalised part; state_bytes.decayed_by_path observes what is decayed).
-WEIGHT_DECAY_MASK = skewadam_jax.matrices_only
+def per_path(table: Mapping[str, Any]) -> Callable[[Any], Any]:
+  """A function mapping any tree with these parameter paths to ``table``'s entries.
+
+  optax calls masks and labellers on parameters, updates and partition-masked
+  trees alike; matching by path fits them all.
+  """
+  def fn(tree):
+    def one(path, _):
+      name = model_axes.path_to_str(path)
+      if name not in table:
+        raise ValueError(f"no declared axes for parameter {name!r}; known: "
+                         f"{sorted(table)[:4]}...")
+      return table[name]
+    return jax.tree_util.tree_map_with_path(one, tree)
+  return fn
+
+
+def _nested(table: Mapping[str, Any]) -> dict:
+  """``{"a/b": x}`` as ``{"a": {"b": x}}`` (a specification tree matched by path)."""
+  out: dict = {}
+  for path, value in table.items():
+    *parents, last = path.split("/")
+    node = out
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[last] = value
+  return out
+
+
+def decay_mask(axes: Axes) -> Callable[[Any], Any]:
+  """Weight decay on matrices only (two unstacked axes), as a mask function."""
+  return per_path({p: model_axes.matrix_dims(n) is not None for p, n in axes.items()})
+
+
+def skewadam_axes(axes: Axes) -> dict:
+  """SkewAdam's ``param_labels`` and ``matrix_axes`` from the logical axes."""
+  return {
+      "param_labels": _nested({p: model_axes.tier(n) for p, n in axes.items()}),
+      "matrix_axes": _nested({
+          p: None if (d := model_axes.matrix_dims(n)) is None else skewadam_jax.MatrixAxes(*d)
+          for p, n in axes.items()}),
+  }
+
+
+def orthogonalized(names) -> bool:
+  """Whether Muon orthogonalises a parameter: a backbone or expert matrix
+  without a ``vocab`` axis (embeddings and the unembedding go to AdamW)."""
+  return (model_axes.matrix_dims(names) is not None
+          and model_axes.tier(names) != model_axes.ROUTER
+          and model_axes.VOCAB not in names)
+
+
+def muon_dimension_numbers(axes: Axes) -> Callable[[Any], Any]:
+  """Muon's dimension numbers per parameter (``None``: left to AdamW).
+
+  Rows are the reduction axis and columns the output axis of the declared
+  matrix; stacked layer and expert axes are batch axes, so each layer's (and
+  each expert's) matrix is orthogonalised on its own.
+  """
+  return per_path({
+      p: MuonDimensionNumbers(*model_axes.matrix_dims(n)) if orthogonalized(n) else None
+      for p, n in axes.items()})
 
 
 def lr_schedule(peak_lr: float, total_steps: int, warmup_steps: int):
@@ -51,21 +121,6 @@ def lr_schedule(peak_lr: float, total_steps: int, warmup_steps: int):
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak_lr, warmup_steps=warmup_steps,
       decay_steps=max(total_steps, warmup_steps + 1), end_value=peak_lr / 10)
-
-
-def muon_dimension_numbers(params):
-  """Muon's dimension numbers: the last two axes of every matrix it handles.
-
-  Stacked leaves (``[L, d_in, d_out]`` attention, ``[L, E, d_in, d_out]``
-  experts) are orthogonalised per layer and per expert; embeddings, the
-  unembedding, the router and vectors return ``None`` and go to AdamW.
-  """
-  def spec(path, x):
-    name = skewadam_jax.labels.path_to_str(path)
-    if len(x.shape) < 2 or _MUON_EXCLUDE.search(name):
-      return None
-    return MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
-  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def with_fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -92,7 +147,7 @@ def with_fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransform
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
+def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: float = 0.1,
                    clip_norm: float = 1.0, skewadam_tiers: dict | None = None,
                    b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
   """Builds optimizer ``name`` with global-norm clipping in front.
@@ -100,6 +155,7 @@ def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
   Args:
     name: one of :data:`OPTIMIZERS`.
     learning_rate: float or schedule.
+    axes: the model's logical axes by path (:func:`models.logical_axes`).
     weight_decay: decoupled weight decay on matrices.
     clip_norm: global gradient-norm clip (``0`` disables it).
     skewadam_tiers: ``{"backbone": ..., "expert": ..., "router": ...}``
@@ -109,17 +165,26 @@ def make_optimizer(name: str, *, learning_rate: Any, weight_decay: float = 0.1,
   Raises:
     ValueError: for an unknown name.
   """
-  mask = WEIGHT_DECAY_MASK
+  mask = decay_mask(axes)
   if name == "adamw":
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
                      mask=mask, mu_dtype=jnp.float32)
   elif name == "skewadam":
     tx = skewadam_jax.skewadam(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
-                               weight_decay_mask=mask, **(skewadam_tiers or {}))
+                               weight_decay_mask=mask, **skewadam_axes(axes),
+                               **(skewadam_tiers or {}))
   elif name == "muon":
-    tx = muon(learning_rate, weight_decay=weight_decay, weight_decay_mask=mask,
-              adam_b1=b1, adam_b2=b2, adam_weight_decay=weight_decay,
-              muon_weight_dimension_numbers=muon_dimension_numbers)
+    # optax's muon() decays every leaf of its AdamW part (norm scales
+    # included) with adam_weight_decay; partitioning here gives both parts
+    # the same mask.
+    dims = muon_dimension_numbers(axes)
+    label = per_path({p: "muon" if orthogonalized(n) else "adam" for p, n in axes.items()})
+    tx = optax.partition({
+        "muon": muon(learning_rate, weight_decay=weight_decay, weight_decay_mask=mask,
+                     muon_weight_dimension_numbers=dims),
+        "adam": optax.adamw(learning_rate, b1=b1, b2=b2, eps=1e-8,
+                            weight_decay=weight_decay, mask=mask, nesterov=True),
+    }, label)
   elif name == "lion":
     tx = optax.lion(learning_rate, weight_decay=weight_decay, mask=mask)
   elif name == "adafactor":

@@ -11,8 +11,8 @@ The layout, on a ``jax.sharding.Mesh`` with axes ``("data", "expert")``:
 
 | what | sharding |
 |---|---|
-| expert banks ``[L, E, d_in, d_out]`` | ``E`` (axis −3) split over ``expert`` |
-| backbone, router | replicated (``fsdp=True``: the larger of the last two axes split over ``data`` where it divides) |
+| expert banks ``[L, E, d_in, d_out]``, router ``[L, D, E]`` | the ``experts`` axis split over ``expert`` |
+| everything else | replicated (``fsdp=True``: the larger matrix axis of each matrix split over ``data`` where it divides) |
 | batch ``[B, T]`` | ``B`` split over ``data`` |
 | optimizer state | derived by :func:`skewadam_jax.state_shardings` |
 | metrics | replicated |
@@ -53,6 +53,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import skewadam_jax
 import experiments
 from experiments.steps import make_step_fns
+from models import axes as model_axes
 
 DATA, EXPERT = "data", "expert"
 MESH_AXES = (DATA, EXPERT)
@@ -143,62 +144,53 @@ def make_mesh(data: int | None = None, expert: int = 1, *,
 # --------------------------------------------------------------------------
 
 
-def _fsdp_axis(shape, spec: list, data_size: int) -> int | None:
-  """The larger of the last two axes that is unsharded and divides by ``data``."""
-  axes = [a for a in range(max(0, len(shape) - 2), len(shape)) if spec[a] is None]
-  axes = [a for a in axes if shape[a] % data_size == 0]
-  return max(axes, key=lambda a: (shape[a], a)) if axes else None
+def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool = False):
+  """``NamedSharding`` s for the model's parameters on ``mesh``, from their logical axes.
 
-
-def param_shardings(params, mesh: Mesh, *, fsdp: bool = False):
-  """``NamedSharding`` s for the model's parameters on ``mesh``.
-
-  Expert-bank leaves (tier ``"expert"`` under :func:`skewadam_jax.moe_param_labels`,
-  ``[..., E, d_in, d_out]``) are split over ``expert`` on their axis −3;
-  everything else is replicated. With ``fsdp`` every leaf of two or more
-  dimensions is also split over ``data`` on the larger of its last two axes
-  that divides evenly (so never the layer axis of a stacked matrix, which the
-  layers are scanned over).
+  Each parameter's declared logical axes (:func:`models.logical_axes`) go to
+  mesh axes by :data:`models.axes.MESH_RULES`: an ``experts`` axis is split
+  over ``expert`` (the expert banks ``[L, E, d_in, d_out]`` and the router's
+  columns ``[L, D, E]``); everything else is replicated. With ``fsdp`` the
+  larger matrix axis of every matrix that divides evenly is also split over
+  ``data`` (never a layer axis, which the layers are scanned over; never a
+  vector).
 
   Args:
     params: parameters or ``ShapeDtypeStruct`` s (paths and shapes are read).
     mesh: a mesh with axes ``data`` and ``expert``.
+    axes: the logical axes by path (:func:`models.logical_axes`).
     fsdp: also shard parameters (and so their optimizer state) over ``data``.
 
   Returns:
     A tree of ``NamedSharding`` with the structure of ``params``.
 
   Raises:
-    ValueError: if an expert bank's ``E`` does not divide by the ``expert``
-      axis size (naming the path).
+    ValueError: naming the path, if an ``experts`` axis does not divide by
+      the mesh's ``expert`` size, or a parameter has no declared axes.
 
   Example:
     >>> mesh = make_mesh(devices=jax.devices()[:1])
     >>> params = {"embed": jnp.zeros((16, 4)),
     ...           "moe": {"experts": {"w_up": jnp.zeros((2, 4, 4, 8))}}}
-    >>> param_shardings(params, mesh)["moe"]["experts"]["w_up"].spec
+    >>> axes = {"embed": ("vocab", "embed"),
+    ...         "moe/experts/w_up": ("layers", "experts", "embed", "mlp")}
+    >>> param_shardings(params, mesh, axes=axes)["moe"]["experts"]["w_up"].spec
     P(None, 'expert', None, None)
   """
   sizes = dict(mesh.shape)
-  labels = skewadam_jax.moe_param_labels(params)
 
-  def one(path, leaf, label):
-    shape = tuple(leaf.shape)
-    spec = [None] * len(shape)
-    if label == skewadam_jax.EXPERT and len(shape) >= 3:
-      if shape[-3] % sizes[EXPERT]:
-        raise ValueError(
-            f"expert bank {skewadam_jax.labels.path_to_str(path)!r} has "
-            f"{shape[-3]} experts (shape {shape}), which does not divide by "
-            f"the mesh's expert={sizes[EXPERT]}")
-      spec[-3] = EXPERT
-    if fsdp and len(shape) >= 2 and sizes[DATA] > 1:
-      axis = _fsdp_axis(shape, spec, sizes[DATA])
-      if axis is not None:
-        spec[axis] = DATA
+  def one(path, leaf):
+    name = model_axes.path_to_str(path)
+    if name not in axes:
+      raise ValueError(f"parameter {name!r} has no declared logical axes")
+    try:
+      spec = model_axes.partition_spec(axes[name], leaf.shape, sizes,
+                                       fsdp_axis=DATA if fsdp else None)
+    except ValueError as err:
+      raise ValueError(f"parameter {name!r}: {err}") from None
     return NamedSharding(mesh, P(*spec))
 
-  return jax.tree_util.tree_map_with_path(one, params, labels)
+  return jax.tree_util.tree_map_with_path(one, params)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -230,18 +222,21 @@ class TrainShardings:
   replicated: NamedSharding
 
 
-def train_shardings(mesh: Mesh, tx, params, *, fsdp: bool = False) -> TrainShardings:
+def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
+                    fsdp: bool = False) -> TrainShardings:
   """All the train step's shardings for optimizer ``tx`` (nothing allocated).
+
+  ``axes`` and ``fsdp`` as in :func:`param_shardings`.
 
   Example:
     >>> import optax
     >>> mesh = make_mesh(devices=jax.devices()[:1])
     >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
-    >>> s = train_shardings(mesh, optax.adam(1e-3), params)
+    >>> s = train_shardings(mesh, optax.adam(1e-3), params, axes={"w": ("embed", "mlp")})
     >>> s.opt_state[0].mu["w"].spec, s.batch.spec
     (P(None, None), P('data',))
   """
-  shardings = param_shardings(params, mesh, fsdp=fsdp)
+  shardings = param_shardings(params, mesh, axes=axes, fsdp=fsdp)
   return TrainShardings(
       mesh=mesh, params=shardings,
       opt_state=skewadam_jax.state_shardings(tx, params, shardings),
@@ -287,7 +282,7 @@ def sharded_init(tx, shardings: TrainShardings) -> Callable:
     >>> import optax
     >>> mesh = make_mesh(devices=jax.devices()[:1])
     >>> params = {"w": jnp.ones((4, 4))}
-    >>> s = train_shardings(mesh, optax.adam(1e-3), params)
+    >>> s = train_shardings(mesh, optax.adam(1e-3), params, axes={"w": ("embed", "mlp")})
     >>> state = sharded_init(optax.adam(1e-3), s)(put(params, s.params))
     >>> state[0].mu["w"].sharding == s.opt_state[0].mu["w"]
     True
@@ -356,7 +351,8 @@ class SpmdSteps(NamedTuple):
 
 
 def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
-               eval_step: Callable | None = None, *, fsdp: bool = False) -> SpmdSteps:
+               eval_step: Callable | None = None, *, axes: Mapping[str, tuple],
+               fsdp: bool = False) -> SpmdSteps:
   """Shardings and compiled steps of one run on ``mesh``.
 
   Args:
@@ -364,9 +360,9 @@ def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
     tx: the optimizer.
     params: the parameters (or ``ShapeDtypeStruct`` s).
     train_step, eval_step: as returned by ``experiments.steps.make_step_fns``.
-    fsdp: see :func:`param_shardings`.
+    axes, fsdp: see :func:`param_shardings`.
   """
-  s = train_shardings(mesh, tx, params, fsdp=fsdp)
+  s = train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp)
   init_state = sharded_init(tx, s)
   step = sharded_train_step(train_step, s)
 
@@ -408,7 +404,7 @@ def device_state_bytes_by_tier(state, shardings=None) -> dict[str, int]:
     >>> import optax
     >>> mesh = make_mesh(devices=jax.devices()[:1])
     >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
-    >>> s = train_shardings(mesh, optax.adam(1e-3), params)
+    >>> s = train_shardings(mesh, optax.adam(1e-3), params, axes={"w": ("embed", "mlp")})
     >>> state = jax.eval_shape(optax.adam(1e-3).init, params)
     >>> device_state_bytes_by_tier(state, s.opt_state)["total"]  # mu, nu, count
     132
@@ -511,14 +507,15 @@ def _run(args) -> dict:
   seq_len = args.seq_len or config.max_seq_len
   model = models.Transformer(config, rngs=nnx.Rngs(args.seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  axes = models.logical_axes(params)
   params = nnx.as_pure(params)
-  tx = optimizers.make_optimizer(args.optimizer, learning_rate=args.lr)
+  tx = optimizers.make_optimizer(args.optimizer, learning_rate=args.lr, axes=axes)
   train_step, _ = make_step_fns(graphdef, rest, tx)
   batches = [_synthetic_batch(s, args.batch_size, seq_len, config.vocab_size, args.seed)
              for s in range(args.steps)]
 
   mesh = make_mesh(**parse_mesh(args.mesh))
-  spmd = spmd_steps(mesh, tx, params, train_step, fsdp=args.fsdp)
+  spmd = spmd_steps(mesh, tx, params, train_step, axes=axes, fsdp=args.fsdp)
   p, state = spmd.init(params)
   losses = []
   for inputs, targets in batches:

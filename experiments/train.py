@@ -111,11 +111,12 @@ class Run:
 
     model = models.Transformer(self.model_config, rngs=nnx.Rngs(config.seed))
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+    self.axes = models.logical_axes(params)
     self.initial_params = nnx.as_pure(params)
     lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
     self.schedule = optimizers.lr_schedule(lr, config.steps, config.warmup_steps)
     self.tx = optimizers.make_optimizer(
-        config.optimizer, learning_rate=self.schedule,
+        config.optimizer, learning_rate=self.schedule, axes=self.axes,
         weight_decay=config.weight_decay, clip_norm=config.clip_norm,
         skewadam_tiers=config.skewadam_tiers())
     if config.skip_nonfinite:
@@ -131,7 +132,8 @@ class Run:
     self.spmd = None
     if config.mesh:  # the same steps, sharded over a device mesh
       mesh = parallel.make_mesh(**parallel.parse_mesh(config.mesh))
-      self.spmd = parallel.spmd_steps(mesh, self.tx, self.initial_params, train_step, eval_step)
+      self.spmd = parallel.spmd_steps(mesh, self.tx, self.initial_params, train_step,
+                                      eval_step, axes=self.axes)
       self.train_step, self.eval_step = self.spmd.train_step, self.spmd.eval_step
     else:
       self.train_step = jax.jit(train_step, donate_argnums=(0, 1))

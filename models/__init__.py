@@ -1,7 +1,12 @@
 """Flax NNX decoder-only Mixture-of-Experts language model and presets.
 
-Parameter path contract (the optimizer's default labeller relies on it; tested
-in ``tests/test_models_transformer.py``): flatten
+Every parameter declares its logical axes where it is created
+(:mod:`models.axes`); tiers, matrix axes, weight-decay masks, Muon's
+dimension numbers and shardings are all derived from that declaration.
+
+The paths also follow a contract, for optimizers' path-based labellers such
+as ``skewadam_jax.moe_param_labels`` (tested in
+``tests/test_models_transformer.py``): flatten
 ``nnx.state(model, nnx.Param)`` with ``jax.tree_util.tree_flatten_with_path``
 and join the key names with '/' (ignoring a trailing ``value``). Then
 
@@ -14,6 +19,8 @@ and join the key names with '/' (ignoring a trailing ``value``). Then
 Everything else (embeddings, attention, norms, unembedding) is backbone.
 """
 
+from models import axes
+from models.axes import logical_axes
 from models.config import MOE_IMPLS, PRESETS, ModelConfig, get_preset
 from models.moe import (
     EXPERT_IMPLS,
@@ -34,22 +41,21 @@ from models.transformer import (
     RMSNorm,
     Transformer,
     apply_rope,
+    abstract_params,
     count_params,
     chunked_cross_entropy,
     lm_loss,
     token_cross_entropy,
     param_shapes,
-    param_tier,
-    path_str,
     rope_tables,
 )
 
 __all__ = [
-    'MOE_IMPLS', 'PRESETS', 'ModelConfig', 'get_preset',
+    'axes', 'logical_axes', 'abstract_params', 'MOE_IMPLS', 'PRESETS', 'ModelConfig', 'get_preset',
     'EXPERT_IMPLS', 'MoE', 'Experts', 'Router', 'expert_fraction',
     'experts_blocked', 'experts_dense', 'experts_ragged',
     'load_balancing_loss', 'route', 'router_z_loss',
     'Attention', 'Block', 'RMSNorm', 'Transformer', 'apply_rope',
-    'chunked_cross_entropy', 'count_params', 'lm_loss', 'token_cross_entropy', 'param_shapes', 'param_tier', 'path_str',
+    'chunked_cross_entropy', 'count_params', 'lm_loss', 'token_cross_entropy', 'param_shapes',
     'rope_tables',
 ]

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.axes import EMBED, EXPERTS, MLP, param_with_axes
 from models.config import ModelConfig
 
 # Router in full float32: on GPUs the default f32 matmul may use TF32.
@@ -227,9 +228,9 @@ class Router(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     init = nnx.initializers.lecun_normal()
-    self.kernel = nnx.Param(init(
+    self.kernel = param_with_axes(init(
         rngs.params(), (config.d_model, config.num_experts),
-        config.param_dtype))
+        config.param_dtype), EMBED, EXPERTS)
 
   def __call__(self, x_TD: jax.Array) -> jax.Array:
     return jnp.dot(x_TD.astype(jnp.float32),
@@ -243,9 +244,10 @@ class Experts(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     E, D, F = config.num_experts, config.d_model, config.d_ff
     dtype = config.param_dtype
-    self.w_gate = nnx.Param(_expert_init(-2)(rngs.params(), (E, D, F), dtype))
-    self.w_up = nnx.Param(_expert_init(-2)(rngs.params(), (E, D, F), dtype))
-    self.w_down = nnx.Param(_expert_init(-2)(rngs.params(), (E, F, D), dtype))
+    init = _expert_init(-2)
+    self.w_gate = param_with_axes(init(rngs.params(), (E, D, F), dtype), EXPERTS, EMBED, MLP)
+    self.w_up = param_with_axes(init(rngs.params(), (E, D, F), dtype), EXPERTS, EMBED, MLP)
+    self.w_down = param_with_axes(init(rngs.params(), (E, F, D), dtype), EXPERTS, MLP, EMBED)
     self.impl = config.moe_impl
     self.block_size = config.moe_block_size
     self.compute_dtype = config.compute_dtype

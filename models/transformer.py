@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import axes
 from models.config import ModelConfig
 from models.moe import MoE
 
@@ -34,7 +35,7 @@ class RMSNorm(nnx.Module):
   """Root-mean-square norm with a learned scale; statistics in float32."""
 
   def __init__(self, dim: int, *, eps: float, param_dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.scale = axes.param_with_axes(jnp.ones((dim,), param_dtype), axes.EMBED)
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:
@@ -65,10 +66,13 @@ class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     D = config.d_model
-    dense = lambda: nnx.Linear(
+    init = nnx.initializers.lecun_normal()
+    dense = lambda *names: nnx.Linear(
         D, D, use_bias=False, dtype=config.compute_dtype,
-        param_dtype=config.param_dtype, rngs=rngs)
-    self.query, self.key, self.value, self.out = dense(), dense(), dense(), dense()
+        param_dtype=config.param_dtype, kernel_init=axes.partitioned(init, *names),
+        rngs=rngs)
+    self.query, self.key, self.value = (dense(axes.EMBED, axes.HEADS) for _ in range(3))
+    self.out = dense(axes.HEADS, axes.EMBED)
     self.num_heads = config.num_heads
     self.implementation = config.attention_impl
 
@@ -102,6 +106,10 @@ class Block(nnx.Module):
     return x_BTD + y_BTD, aux
 
 
+# The layer stack's leading axis, added to every block parameter's logical axes.
+_LAYER_AXIS = {nnx.PARTITION_NAME: axes.LAYERS}
+
+
 def _block_step(x_BTD, block: Block, sin_TK, cos_TK):
   return block(x_BTD, sin_TK, cos_TK)
 
@@ -126,10 +134,13 @@ class Transformer(nnx.Module):
     self.config = config
     self.embed = nnx.Embed(
         config.vocab_size, config.d_model, dtype=config.compute_dtype,
-        param_dtype=config.param_dtype, rngs=rngs)
+        param_dtype=config.param_dtype, rngs=rngs,
+        embedding_init=axes.partitioned(
+            nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0),
+            axes.VOCAB, axes.EMBED))
 
     @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
     def make_layers(rngs: nnx.Rngs) -> Block:
       return Block(config, rngs=rngs)
 
@@ -139,7 +150,9 @@ class Transformer(nnx.Module):
     self.unembed = nnx.Linear(
         config.d_model, config.vocab_size, use_bias=False,
         dtype=config.compute_dtype, param_dtype=config.param_dtype,
-        preferred_element_type=jnp.float32, rngs=rngs)
+        preferred_element_type=jnp.float32, rngs=rngs,
+        kernel_init=axes.partitioned(nnx.initializers.lecun_normal(),
+                                     axes.EMBED, axes.VOCAB))
 
   def features(self, tokens_BT: Array) -> tuple[Array, dict[str, Array]]:
     """Final-normed hidden states ``x_BTD`` (before the unembedding) and aux.
@@ -157,6 +170,7 @@ class Transformer(nnx.Module):
     step = nnx.remat(_block_step) if cfg.remat else _block_step
     x_BTD, aux_L = nnx.scan(
         step, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0),
+        transform_metadata=_LAYER_AXIS,
     )(x_BTD, self.layers, sin_TK, cos_TK)
     aux = {
         'lb_loss': jnp.mean(aux_L['lb_loss']),
@@ -257,50 +271,33 @@ def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
 # --------------------------------------------------------------------------
 
 
-def _key_name(key) -> str:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def path_str(key_path) -> str:
-  """'/'-joined names of a jax key path, without a trailing 'value'."""
-  names = [_key_name(k) for k in key_path]
-  if names and names[-1] == 'value':
-    names = names[:-1]
-  return '/'.join(names)
-
-
-def param_tier(path: str) -> str:
-  """'router', 'expert' or 'backbone' for a '/'-joined parameter path."""
-  parts = path.split('/')
-  if 'router' in parts:
-    return 'router'
-  if 'experts' in parts:
-    return 'expert'
-  return 'backbone'
-
-
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   """Shapes of every parameter by '/'-joined path, via ``nnx.eval_shape``."""
+  leaves = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
+  return {axes.path_to_str(p): tuple(leaf.shape) for p, leaf in leaves}
+
+
+def abstract_params(config: ModelConfig):
+  """The model's ``nnx.Param`` state from ``nnx.eval_shape``: shapes, dtypes
+  and logical axes, nothing allocated."""
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  leaves = jax.tree_util.tree_flatten_with_path(nnx.state(abstract, nnx.Param))[0]
-  return {path_str(p): tuple(leaf.shape) for p, leaf in leaves}
+  return nnx.state(abstract, nnx.Param)
 
 
 def count_params(config: ModelConfig) -> dict[str, int]:
   """Parameter counts without allocating: ``total`` and one per tier.
 
   Returns:
-    ``{'total', 'backbone', 'expert', 'router'}`` (Python ints); tiers follow
-    the path contract of ``models`` (see ``param_tier``).
+    ``{'total', 'backbone', 'expert', 'router'}`` (Python ints); each tier
+    from the parameters' declared logical axes (:func:`models.axes.tier`).
   """
+  params = abstract_params(config)
+  names = axes.logical_axes(params)
   counts = {'total': 0, 'backbone': 0, 'expert': 0, 'router': 0}
   for path, shape in param_shapes(config).items():
     n = 1
     for s in shape:
       n *= s
     counts['total'] += n
-    counts[param_tier(path)] += n
+    counts[axes.tier(names[path])] += n
   return counts

@@ -69,8 +69,9 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
   config = models.get_preset("tiny", compute_dtype="float32")
   graphdef, params, rest = nnx.split(
       models.Transformer(config, rngs=nnx.Rngs(SEED)), nnx.Param, ...)
+  axes = models.logical_axes(params)
   params = nnx.as_pure(params)
-  tx = optimizers.make_optimizer(optimizer, learning_rate=LR)
+  tx = optimizers.make_optimizer(optimizer, learning_rate=LR, axes=axes)
   train_step, _ = train_lib.make_step_fns(graphdef, rest, tx)
   batches = [parallel._synthetic_batch(s, BATCH, SEQ, config.vocab_size, SEED)  # pylint: disable=protected-access
              for s in range(STEPS)]
@@ -86,7 +87,7 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
                                 in jax.tree_util.tree_flatten_with_path(ref_params)[0]})
 
   mesh = parallel.make_mesh(data=2, expert=4)
-  spmd = parallel.spmd_steps(mesh, tx, params, train_step, fsdp=fsdp)
+  spmd = parallel.spmd_steps(mesh, tx, params, train_step, axes=axes, fsdp=fsdp)
   want_state = skewadam_jax.state_shardings(tx, params, spmd.shardings.params)
   sharded_params, state = spmd.init(params)
   errors = [f"init: {e}" for e in placement_errors(state, want_state)]

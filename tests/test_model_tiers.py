@@ -26,8 +26,9 @@ def test_default_labeller_routes_every_model_parameter(preset):
   }
   assert got["layers/moe/router/kernel"][1] == (L, D, E)
   assert got["layers/moe/experts/w_down"][1] == (L, E, F, D)
-  # The model's own view of the contract agrees leaf for leaf.
-  assert all(models.param_tier(p) == t for p, (t, _) in got.items())
+  # The model's declared axes give the same tiers, leaf for leaf.
+  declared = models.logical_axes(models.abstract_params(config))
+  assert {p: models.axes.tier(declared[p]) for p in got} == {p: t for p, (t, _) in got.items()}
 
 
 def test_6p78b_split_and_state_bytes_from_the_real_model():
@@ -61,7 +62,8 @@ def test_per_leaf_plan_matches_what_the_optimizer_does(tiny_params, optimizer):
   paths, leaves, _ = labels_lib.flatten_with_paths(tiny_params)
   assert [r["path"] for r in rows] == paths
   # Zero gradients: only weight decay moves a parameter, and only where "decayed".
-  tx = optimizers.make_optimizer(optimizer, learning_rate=1.0, weight_decay=0.1)
+  tx = optimizers.make_optimizer(optimizer, learning_rate=1.0, weight_decay=0.1,
+                                 axes=state_bytes.abstract_axes("tiny"))
   zeros = jax.tree.map(jnp.zeros_like, tiny_params)
   updates, _ = jax.jit(tx.update)(zeros, tx.init(tiny_params), tiny_params)
   moved = [bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates)]

@@ -42,6 +42,11 @@ def tiny_params():
   return nnx.as_pure(nnx.state(model, nnx.Param))
 
 
+@pytest.fixture(scope="module")
+def tiny_axes():
+  return models.logical_axes(models.abstract_params(models.get_preset("tiny")))
+
+
 def by_path(tree):
   return {skewadam_jax.labels.path_to_str(p): x
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -89,39 +94,44 @@ def test_make_mesh_uses_every_device():
     parallel.make_mesh(data=4, expert=4, devices=jax.devices()[:1])
 
 
-def test_param_shardings_split_experts_on_their_expert_axis(tiny_params):
+def test_param_shardings_split_experts_on_their_expert_axis(tiny_params, tiny_axes):
   specs = {k: stripped(s.spec) for k, s in
-           by_path(parallel.param_shardings(tiny_params, MESH)).items()}
+           by_path(parallel.param_shardings(tiny_params, MESH, axes=tiny_axes)).items()}
   for name in ("w_gate", "w_up", "w_down"):  # [L, E, d_in, d_out]
     assert specs.pop(f"{EXPERTS}/{name}") == (None, "expert")
-  assert set(specs.values()) == {()}  # backbone and router replicated
+  assert specs.pop("layers/moe/router/kernel") == (None, None, "expert")  # [L, D, E]
+  assert set(specs.values()) == {()}  # the backbone replicated
 
 
-def test_param_shardings_fsdp(tiny_params):
+def test_param_shardings_fsdp(tiny_params, tiny_axes):
   shapes = {k: x.shape for k, x in by_path(tiny_params).items()}
-  specs = {k: stripped(s.spec) for k, s in
-           by_path(parallel.param_shardings(tiny_params, MESH, fsdp=True)).items()}
+  specs = {k: stripped(s.spec) for k, s in by_path(
+      parallel.param_shardings(tiny_params, MESH, axes=tiny_axes, fsdp=True)).items()}
   assert shapes["embed/embedding"] == (256, 32)
   assert specs["embed/embedding"] == ("data",)
   assert specs["unembed/kernel"] == (None, "data")
   assert shapes[f"{EXPERTS}/w_down"] == (2, 4, 48, 32)
   assert specs[f"{EXPERTS}/w_down"] == (None, "expert", "data")
   assert specs["final_norm/scale"] == ()  # vectors stay replicated
+  assert specs["layers/attn_norm/scale"] == ()  # stacked ones too
   for name, spec in specs.items():  # never the scanned layer axis
     if name.startswith("layers/") and len(shapes[name]) >= 3:
       assert spec[:1] in ((), (None,)), name
 
 
-def test_param_shardings_need_experts_to_divide(tiny_params):
-  with pytest.raises(ValueError, match="'layers/moe/experts/w_down' has 4 experts.*"
+def test_param_shardings_need_experts_to_divide(tiny_params, tiny_axes):
+  with pytest.raises(ValueError, match="'layers/moe/experts/w_down'.*'experts', size 4.*"
                      "expert=3"):
-    parallel.param_shardings(tiny_params, AbstractMesh((1, 3), ("data", "expert")))
+    parallel.param_shardings(tiny_params, AbstractMesh((1, 3), ("data", "expert")),
+                             axes=tiny_axes)
+  with pytest.raises(ValueError, match="'embed/embedding' has no declared logical axes"):
+    parallel.param_shardings(tiny_params, MESH, axes={})
 
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
-def test_every_optimizer_gets_valid_state_shardings(tiny_params, optimizer):
-  tx = optimizers.make_optimizer(optimizer, learning_rate=1e-3)
-  shardings = parallel.train_shardings(MESH, tx, tiny_params, fsdp=True)
+def test_every_optimizer_gets_valid_state_shardings(tiny_params, tiny_axes, optimizer):
+  tx = optimizers.make_optimizer(optimizer, learning_rate=1e-3, axes=tiny_axes)
+  shardings = parallel.train_shardings(MESH, tx, tiny_params, axes=tiny_axes, fsdp=True)
   state = jax.eval_shape(tx.init, tiny_params)
   for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings.opt_state)):
     s.shard_shape(x.shape)  # raises unless every split axis divides evenly
@@ -130,9 +140,9 @@ def test_every_optimizer_gets_valid_state_shardings(tiny_params, optimizer):
   assert 0 < per_device["expert"] <= whole["expert"] // 4
 
 
-def test_device_state_bytes_split_the_expert_tier(tiny_params):
-  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3)
-  shardings = parallel.train_shardings(MESH, tx, tiny_params)
+def test_device_state_bytes_split_the_expert_tier(tiny_params, tiny_axes):
+  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3, axes=tiny_axes)
+  shardings = parallel.train_shardings(MESH, tx, tiny_params, axes=tiny_axes)
   state = jax.eval_shape(tx.init, tiny_params)
   per_device = parallel.device_state_bytes_by_tier(state, shardings.opt_state)
   whole = skewadam_jax.state_bytes_by_tier(state)
@@ -169,7 +179,8 @@ def test_spmd_steps_take_host_batches_and_keyword_arguments():
     return optax.apply_updates(params, updates), opt_state, {"loss": loss(params)}
 
   params = {"w": jnp.ones((4, 2))}
-  spmd = parallel.spmd_steps(parallel.make_mesh(), tx, params, train_step)
+  spmd = parallel.spmd_steps(parallel.make_mesh(), tx, params, train_step,
+                             axes={"w": ("embed", "mlp")})
   p, state = spmd.init(params)
   ones = np.ones((2, 3), np.int32)
   p, state, metrics = spmd.train_step(p, state, ones, ones, scale=np.float32(2.0))
