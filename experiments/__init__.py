@@ -1,4 +1,13 @@
-"""Experiments: training, optimizer comparison, memory planner, benchmarks, data."""
+"""Experiments: training, optimizer comparison, memory planner, benchmarks, data.
+
+A library plus thin commands. The library modules (``config``, ``steps``,
+``optimizers``, ``training``, ``metrics_log``, ``checkpoint``, ``data``,
+``mesh``, ``distributed``, ``planner``, ``accounting``) never import a
+command; the commands (``python -m experiments.NAME`` for ``train``,
+``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,
+``state_bytes``) are short ``main()`` s over them. Nothing here changes the
+environment on import: a command chooses its platform in ``main``.
+"""
 
 import importlib.util
 import os

@@ -46,6 +46,9 @@ import numpy as np
 import optax
 
 import experiments
+from experiments import planner
+from experiments import training
+from experiments.config import TrainConfig
 import skewadam_jax
 
 GB = 1e9
@@ -204,10 +207,9 @@ def bench_updates(params, *, repeats: int, rounds: int = 3) -> dict:
 
 def bench_train_step(*, steps: int, rounds: int) -> dict:
   """tokens/s of the ``small`` train step, SkewAdam vs AdamW, alternating rounds."""
-  from experiments import train as train_lib  # pylint: disable=import-outside-toplevel
   runs = {}
   for name in ("skewadam", "adamw"):
-    run = train_lib.Run(train_lib.TrainConfig(preset="small", optimizer=name, steps=1000))
+    run = training.Run(TrainConfig(preset="small", optimizer=name, steps=1000))
     params, state = run.init_state()
     batches = [run.dataset.batch_at(i) for i in range(steps)]
     runs[name] = [run, params, state, batches, []]
@@ -269,14 +271,13 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   over the number of parameters: what the update would read and write on
   that GPU.
   """
-  from experiments import memory  # pylint: disable=import-outside-toplevel
-  _, _, params, _ = memory.abstract_model(preset, jnp.bfloat16)
-  sharding, warning = memory.target_sharding(target)
-  place = lambda t: memory.with_sharding(t, sharding)
+  _, _, params, _ = planner.abstract_model(preset, jnp.bfloat16)
+  sharding, warning = planner.target_sharding(target)
+  place = lambda t: planner.with_sharding(t, sharding)
   n = sum(x.size for x in jax.tree.leaves(params))
   temp, traffic = {}, {}
   for name in ("skewadam", "adamw"):
-    tx = memory.make_tx(name, preset)
+    tx = planner.make_tx(name, preset)
     state = jax.eval_shape(tx.init, params)
     compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
         place(params), place(state), place(params)).compile()
@@ -329,8 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "on the A100-40GB target")
   args = parser.parse_args(argv)
   if args.update_temp:
-    from experiments import memory  # pylint: disable=import-outside-toplevel
-    memory.use_deviceless_gpu_environment()
+    planner.use_deviceless_gpu_environment()
     result = update_temp_bytes()
     print(json.dumps(result, indent=2) if args.json else "\n".join(
         [f"update alone, {result['preset']} (bf16 params), compiled for {result['target']}:"]

@@ -56,8 +56,9 @@ import jax.numpy as jnp
 
 import experiments
 from experiments import optimizers
-from experiments import state_bytes
-from experiments import train as train_lib
+from experiments import accounting
+from experiments import training
+from experiments.config import TrainConfig
 from skewadam_jax import transform as skewadam_transform
 
 # --quick is a first look (the grid is not extended: its rates may sit at an edge).
@@ -138,11 +139,11 @@ def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
   return [base * f for f in factors]
 
 
-def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, *,
+def _run(base: TrainConfig, out: pathlib.Path, cache_dir, *,
          keep_checkpoints: bool = False, **overrides) -> dict:
   config = dataclasses.replace(base, **overrides)
   shutil.rmtree(out, ignore_errors=True)  # a rerun replaces its own earlier run
-  summary = train_lib.train(config, out, cache_dir=cache_dir, progress=False)
+  summary = training.train(config, out, cache_dir=cache_dir, progress=False)
   if not keep_checkpoints:  # the comparison needs the metrics and summary only
     shutil.rmtree(out / "ckpt", ignore_errors=True)
   curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -152,7 +153,7 @@ def _run(base: train_lib.TrainConfig, out: pathlib.Path, cache_dir, *,
           "curve": [(r["tokens"], r["val_ppl"]) for r in curve if "val_ppl" in r]}
 
 
-def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.TrainConfig,
+def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
             out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
             max_extensions: int = 2, cache_dir=None, log=print,
@@ -225,7 +226,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: train_lib.Train
         "val_ppl_mean": statistics.mean(ppls),
         "val_ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
         "opt_state_bytes_small": finals[0]["opt_state_bytes"],
-        "opt_state_bytes_6p78b": state_bytes.state_bytes(
+        "opt_state_bytes_6p78b": accounting.state_bytes(
             "moe-6.78b", optimizer, skewadam_tiers=tiers, param_dtype=jnp.bfloat16)["total"],
         "tokens_per_s": statistics.median(f["tokens_per_s"] or 0.0 for f in finals),
         "median_step_s": statistics.median(f["median_step_s"] or 0.0 for f in finals),
@@ -442,8 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _, config in entries:
       if config:
         skewadam_transform.scale_by_skewadam(  # unknown encodings fail here, not an hour in
-            **train_lib.TrainConfig(**train_overrides(config)).skewadam_tiers())
-    base = train_lib.TrainConfig(preset=args.preset, batch_size=args.batch_size, data=args.data,
+            **TrainConfig(**train_overrides(config)).skewadam_tiers())
+    base = TrainConfig(preset=args.preset, batch_size=args.batch_size, data=args.data,
                                  eval_every=budget["eval_every"],
                                  eval_batches=budget["eval_batches"], ckpt_every=10**9,
                                  log_every=1)  # every step timed, for the step-time ratio

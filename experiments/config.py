@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import models
 import skewadam_jax
 from experiments import optimizers
-from experiments import parallel
+from experiments import mesh as mesh_lib
 
 PARAM_DTYPES = ("float32", "bfloat16")
 
@@ -89,7 +89,7 @@ class TrainConfig:
       None, "SkewAdam router second moment (default: the library's)",
       structural=True, choices=_FORMS, kind=str)
   mesh: str | None = setting(None, "SPMD mesh, e.g. data=4,expert=2 "
-                             "(experiments/parallel.py); a checkpoint resumes on "
+                             "(experiments/mesh.py); a checkpoint resumes on "
                              "any mesh", structural=False, kind=str)
   param_dtype: str | None = setting(None, "parameter dtype (default: the preset's)",
                                     structural=True, choices=PARAM_DTYPES, kind=str)
@@ -154,7 +154,7 @@ class TrainConfig:
       raise ValueError(f"--seed must be >= 0, got {self.seed}")
     skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
     if self.mesh:
-      parallel.parse_mesh(self.mesh)
+      mesh_lib.parse_mesh(self.mesh)
 
 
 STRUCTURAL_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)

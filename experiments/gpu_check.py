@@ -51,7 +51,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   from flax import nnx
 
   import models
-  from experiments import memory as memory_lib
+  from experiments import planner
   from experiments import steps as steps_lib
 
   device = jax.devices()[0]
@@ -65,9 +65,9 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
       model = models.Transformer(config, rngs=nnx.Rngs(0))
       return nnx.as_pure(nnx.state(model, nnx.Param))
 
-    _, graphdef, _, rest = memory_lib.abstract_model(preset, jnp.bfloat16)
+    _, graphdef, _, rest = planner.abstract_model(preset, jnp.bfloat16)
     params = init_params()
-    tx = memory_lib.make_tx(optimizer, preset)
+    tx = planner.make_tx(optimizer, preset)
     opt_state = jax.jit(tx.init)(params)
     train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
     step = jax.jit(train_step, donate_argnums=(0, 1))

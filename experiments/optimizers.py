@@ -81,7 +81,13 @@ def _nested(table: Mapping[str, Any]) -> dict:
 
 
 def decay_mask(axes: Axes) -> Callable[[Any], Any]:
-  """Weight decay on matrices only (two unstacked axes), as a mask function."""
+  """Weight decay on matrices only (two unstacked axes), as a mask function.
+
+  Example:
+    >>> mask = decay_mask({"w": ("embed", "mlp"), "scale": ("layers", "embed")})
+    >>> mask({"w": jnp.zeros((2, 3)), "scale": jnp.ones((4, 2))})
+    {'scale': False, 'w': True}
+  """
   return per_path({p: model_axes.matrix_dims(n) is not None for p, n in axes.items()})
 
 

@@ -1,10 +1,14 @@
-"""The train and eval step functions of a split NNX model.
+"""The train and eval step functions of a split NNX model, and the abstract model.
 
 A library module: the training command, the SPMD layout, the memory planner
-and the GPU check all compile exactly these functions.
+and the GPU check all compile exactly these functions; the planners and the
+per-parameter plan read the model's shapes and declared axes from
+:func:`abstract_model` and :func:`abstract_axes` without allocating.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +61,28 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
     return metrics["ce_loss"] * inputs.size, inputs.size
 
   return train_step, eval_step
+
+
+def abstract_model(preset: str, param_dtype=None, **overrides):
+  """(model config, graphdef, abstract params, abstract rest), nothing allocated.
+
+  ``param_dtype=None`` keeps the preset's; params and rest are pure
+  ``ShapeDtypeStruct`` trees (no Variables).
+  """
+  if param_dtype is not None:
+    overrides["param_dtype"] = param_dtype
+  config = models.get_preset(preset, **overrides)
+  model = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return config, graphdef, nnx.as_pure(params), nnx.as_pure(rest)
+
+
+def abstract_params(preset: str, dtype=None):
+  """The preset's parameters as ``ShapeDtypeStruct``s (pure arrays, no Variables)."""
+  return abstract_model(preset, dtype)[2]
+
+
+@functools.cache
+def abstract_axes(preset: str) -> dict[str, tuple]:
+  """The preset's declared logical axes by path (:func:`models.logical_axes`)."""
+  return models.logical_axes(models.abstract_params(models.get_preset(preset)))

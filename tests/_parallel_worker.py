@@ -26,8 +26,11 @@ from flax import nnx  # noqa: E402
 import models  # noqa: E402
 import skewadam_jax  # noqa: E402
 from experiments import optimizers  # noqa: E402
+from experiments import mesh as mesh_lib  # noqa: E402
 from experiments import parallel  # noqa: E402
-from experiments import train as train_lib  # noqa: E402
+from experiments import steps  # noqa: E402
+from experiments import training  # noqa: E402
+from experiments.config import TrainConfig  # noqa: E402
 
 # The run `python -m experiments.parallel --preset tiny --compute-dtype float32
 # --steps 2 --batch-size 8 --seq-len 32 --lr 1e-3 --seed 0` makes.
@@ -72,8 +75,8 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
   axes = models.logical_axes(params)
   params = nnx.as_pure(params)
   tx = optimizers.make_optimizer(optimizer, learning_rate=LR, axes=axes)
-  train_step, _ = train_lib.make_step_fns(graphdef, rest, tx)
-  batches = [parallel._synthetic_batch(s, BATCH, SEQ, config.vocab_size, SEED)  # pylint: disable=protected-access
+  train_step, _ = steps.make_step_fns(graphdef, rest, tx)
+  batches = [parallel.synthetic_batch(s, BATCH, SEQ, config.vocab_size, SEED)
              for s in range(STEPS)]
 
   step = jax.jit(train_step)
@@ -86,8 +89,8 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
     np.savez(save_reference, **{skewadam_jax.labels.path_to_str(k): np.asarray(v) for k, v
                                 in jax.tree_util.tree_flatten_with_path(ref_params)[0]})
 
-  mesh = parallel.make_mesh(data=2, expert=4)
-  spmd = parallel.spmd_steps(mesh, tx, params, train_step, axes=axes, fsdp=fsdp)
+  mesh = mesh_lib.make_mesh(data=2, expert=4)
+  spmd = mesh_lib.spmd_steps(mesh, tx, params, train_step, axes=axes, fsdp=fsdp)
   want_state = skewadam_jax.state_shardings(tx, params, spmd.shardings.params)
   sharded_params, state = spmd.init(params)
   errors = [f"init: {e}" for e in placement_errors(state, want_state)]
@@ -108,7 +111,7 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
       "placement_errors": errors,
       "expert_bytes_per_device": per_device, "expert_bytes_total": total,
       "expert_bytes_per_device_at_init": init_expert[0],
-      "helper_bytes_per_device": parallel.device_state_bytes_by_tier(state),
+      "helper_bytes_per_device": mesh_lib.device_state_bytes_by_tier(state),
       "state_bytes": skewadam_jax.state_bytes_by_tier(state),
   }
 
@@ -122,10 +125,10 @@ def train_command(tmp: pathlib.Path) -> dict:
   for name in ("first", "second", "third"):
     (corpus / f"{name}.txt").write_text(
         "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(200)))
-  config = train_lib.TrainConfig(
+  config = TrainConfig(
       preset="tiny", mesh="data=2,expert=4", steps=3, batch_size=4, seq_len=16,
       eval_batches=1, warmup_steps=1, data=str(corpus))
-  summary = train_lib.train(config, tmp / "run", cache_dir=tmp / "tok", progress=False)
+  summary = training.train(config, tmp / "run", cache_dir=tmp / "tok", progress=False)
   expert = summary["_params"]["layers"]["moe"]["experts"]["w_up"]
   return {"val_ppl": summary["val_ppl"], "train_loss": summary["train_loss"],
           "w_up_spec": [str(a) for a in expert.sharding.spec],

@@ -51,13 +51,13 @@ def test_command_json(capsys):
 
 
 def test_update_temp_bytes_on_tiny():
-  from experiments import memory
+  from experiments import planner
   result = bench.update_temp_bytes("tiny")
   assert set(result["temp_bytes"]) == {"skewadam", "adamw"}
   assert all(isinstance(v, int) and v >= 0 for v in result["temp_bytes"].values())
   # AdamW reads params (bf16), grads and fp32 m, v and writes params, m, v: 22 B.
   assert result["kernel_bytes_per_param"]["adamw"] >= 22 - 1e-6
-  assert (result["warning"] is None) == memory.gpu_compile_available("a100-40gb")
+  assert (result["warning"] is None) == planner.gpu_compile_available("a100-40gb")
 
 
 def test_kernel_bytes_counts_as_xla_cost_analysis():

@@ -14,7 +14,7 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
           "expert_m=int8;" + ",".join(f"{k}={v}" for k, v in compare.resolve_config({}).items()),
           "--steps", "6", "--sweep-steps", "3", "--seeds", "0,1",
           "--batch-size", "4", "--data", corpus, "--out", str(tmp_path / "cmp"), "--quick"]
-  monkeypatch.setattr(compare.train_lib, "train", _with_cache(compare.train_lib.train, cache_dir))
+  monkeypatch.setattr(compare.training, "train", _with_cache(compare.training.train, cache_dir))
   assert compare.main(argv) == 0
   rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
   assert [(r["optimizer"], r["config"], compare.is_default(r)) for r in rows] == [
@@ -72,8 +72,8 @@ def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
             "opt_state_bytes": 1,
             "curve": []}
   monkeypatch.setattr(compare, "_run", fake_run)
-  monkeypatch.setattr(compare.state_bytes, "state_bytes", lambda *a, **k: {"total": 1})
-  [row] = compare.compare([("adamw", {})], base=compare.train_lib.TrainConfig(),
+  monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
+  [row] = compare.compare([("adamw", {})], base=compare.TrainConfig(),
                           out_dir=tmp_path, steps=2, sweep_steps=1, seeds=(0,), log=lambda m: None)
   factors = [round(s["lr"] / compare.optimizers.DEFAULT_LR["adamw"], 6) for s in row["sweep"]]
   assert factors == [round(1 / 3, 6), 1, 3, 9, 27]

@@ -26,3 +26,10 @@ def test_every_public_name_is_documented():
     obj = getattr(skewadam_jax, name)
     if callable(obj) and not isinstance(obj, (str, tuple, dict)):
       assert (obj.__doc__ or "").strip(), name
+
+
+@pytest.mark.parametrize("name", ["models.axes", "experiments.metrics_log",
+                                  "experiments.distributed", "experiments.optimizers"])
+def test_model_and_experiment_library_examples(name):
+  result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+  assert result.failed == 0

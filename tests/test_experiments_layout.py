@@ -1,4 +1,5 @@
-"""The experiments package: no import cycles, no environment changes on import."""
+"""The experiments package: a library plus thin commands, no import cycles, no
+environment changes on import."""
 
 import ast
 import os
@@ -27,9 +28,59 @@ def import_graph() -> dict[str, set[str]]:
   return graph
 
 
+COMMANDS = {"train", "compare", "memory", "bench", "parallel", "state_bytes", "gpu_check"}
+
+
+def private_uses() -> list[str]:
+  """``module._name`` uses of another experiments module's private names."""
+  found = []
+  for path in PACKAGE.glob("*.py"):
+    tree = ast.parse(path.read_text())
+    aliases = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+        aliases |= {a.asname or a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module is None:
+        continue
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+          and node.value.id in aliases and node.attr.startswith("_")
+          and not node.attr.startswith("__")):
+        found.append(f"{path.stem}: {node.value.id}.{node.attr}")
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+        found += [f"{path.stem}: from {node.module} import {a.name}"
+                  for a in node.names if a.name.startswith("_")]
+  return found
+
+
+def test_library_modules_import_no_command():
+  graph = import_graph()
+  assert COMMANDS <= set(graph), "a command module is missing"
+  library = set(graph) - COMMANDS - {"__init__", "__main__"}
+  assert {"training", "mesh", "distributed", "steps", "planner", "accounting",
+          "metrics_log", "config", "optimizers", "checkpoint", "data"} <= library
+  bad = {m: sorted(graph[m] & COMMANDS) for m in library if graph[m] & COMMANDS}
+  assert not bad, f"library modules import commands: {bad}"
+  # Nor does one command lean on another: what they share lives in the library.
+  bad = {m: sorted(graph[m] & COMMANDS - {m}) for m in COMMANDS if graph[m] & COMMANDS - {m}}
+  assert not bad, f"commands import commands: {bad}"
+
+
+def test_no_private_cross_module_use():
+  assert private_uses() == []
+
+
+def test_commands_have_short_mains():
+  for name in COMMANDS:
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assert mains, f"{name} has no main()"
+    assert mains[0].end_lineno - mains[0].lineno < 80, f"{name}.main is long"
+
+
 def test_no_import_cycles():
   graph = import_graph()
-  assert {"train", "parallel", "steps", "config"} <= set(graph)
+  assert {"train", "training", "mesh", "steps", "config"} <= set(graph)
   done, active = set(), []
 
   def visit(module):

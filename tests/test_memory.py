@@ -8,13 +8,14 @@ import pytest
 
 import skewadam_jax
 from experiments import memory
+from experiments import planner
 from experiments import optimizers
 
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
 def test_planner_state_bytes_equal_a_real_state_on_tiny(optimizer):
-  _, _, abstract, _ = memory.abstract_model("tiny", jnp.bfloat16)
-  tx = memory.make_tx(optimizer, "tiny")
+  _, _, abstract, _ = planner.abstract_model("tiny", jnp.bfloat16)
+  tx = planner.make_tx(optimizer, "tiny")
   planned = skewadam_jax.abstract_state_bytes_by_tier(tx, abstract)
   params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
   state = tx.init(params)
@@ -24,12 +25,12 @@ def test_planner_state_bytes_equal_a_real_state_on_tiny(optimizer):
 
 def test_6p78b_state_bytes_without_allocating():
   live_before = sum(x.nbytes for x in jax.live_arrays())
-  _, _, params, _ = memory.abstract_model("moe-6.78b", jnp.bfloat16)
+  _, _, params, _ = planner.abstract_model("moe-6.78b", jnp.bfloat16)
   assert skewadam_jax.tree_bytes(params) == 2 * 6_775_424_000
-  adamw = skewadam_jax.abstract_state_bytes_by_tier(memory.make_tx("adamw", "moe-6.78b"), params)
+  adamw = skewadam_jax.abstract_state_bytes_by_tier(planner.make_tx("adamw", "moe-6.78b"), params)
   assert adamw["total"] == 8 * 6_775_424_000 + 4 + 4  # fp32 m, v; adam and schedule counts
   assert round(adamw["total"] / 1e9, 1) == 54.2
-  skew = skewadam_jax.abstract_state_bytes_by_tier(memory.make_tx("skewadam", "moe-6.78b"), params)
+  skew = skewadam_jax.abstract_state_bytes_by_tier(planner.make_tx("skewadam", "moe-6.78b"), params)
   assert skew["total"] == sum(skew[t] for t in ("backbone", "expert", "router", "other"))
   assert skew["total"] < 2.3e9
   assert sum(x.nbytes for x in jax.live_arrays()) - live_before < 1e6
@@ -43,20 +44,20 @@ def check_analysis(xla, params_and_state_bytes):
 
 
 def test_gpu_target_compile_of_tiny():
-  if not memory.gpu_compile_available("a100-40gb"):
+  if not planner.gpu_compile_available("a100-40gb"):
     pytest.skip("gpu-compile extra not installed (jax-cuda12-plugin, nvidia-cuda-nvcc-cu12): "
                 "cannot compile for the A100 target here")
-  _, _, params, _ = memory.abstract_model("tiny", jnp.bfloat16)
-  state = jax.eval_shape(memory.make_tx("skewadam", "tiny").init, params)
-  result = memory.compile_step("tiny", "skewadam", batch=2, seq=16, target="a100-40gb")
+  _, _, params, _ = planner.abstract_model("tiny", jnp.bfloat16)
+  state = jax.eval_shape(planner.make_tx("skewadam", "tiny").init, params)
+  result = planner.compile_step("tiny", "skewadam", batch=2, seq=16, target="a100-40gb")
   assert result["warning"] is None
   check_analysis(result["xla"], skewadam_jax.tree_bytes((params, state)))
 
 
 def test_cpu_compile_of_tiny_warns():
-  _, _, params, _ = memory.abstract_model("tiny", jnp.bfloat16)
-  state = jax.eval_shape(memory.make_tx("adamw", "tiny").init, params)
-  result = memory.compile_step("tiny", "adamw", batch=2, seq=16, target="cpu")
+  _, _, params, _ = planner.abstract_model("tiny", jnp.bfloat16)
+  state = jax.eval_shape(planner.make_tx("adamw", "tiny").init, params)
+  result = planner.compile_step("tiny", "adamw", batch=2, seq=16, target="cpu")
   assert "compiled for the CPU" in result["warning"]
   check_analysis(result["xla"], skewadam_jax.tree_bytes((params, state)))
 
@@ -67,10 +68,10 @@ def test_max_batch_search_against_a_known_peak_curve():
   def peak_at(batch):
     calls.append(batch)
     return 10 + 3 * batch
-  assert memory.max_batch_that_fits(peak_at, device_bytes=40, margin_bytes=2) == 9
+  assert planner.max_batch_that_fits(peak_at, device_bytes=40, margin_bytes=2) == 9
   assert len(calls) <= 8
-  assert memory.max_batch_that_fits(lambda b: 50, device_bytes=40, margin_bytes=2) == 0
-  assert memory.max_batch_that_fits(lambda b: b, device_bytes=10**9, margin_bytes=0, limit=64) == 64
+  assert planner.max_batch_that_fits(lambda b: 50, device_bytes=40, margin_bytes=2) == 0
+  assert planner.max_batch_that_fits(lambda b: b, device_bytes=10**9, margin_bytes=0, limit=64) == 64
 
 
 def test_command_prints_one_json_object(capsys, tmp_path):

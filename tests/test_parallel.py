@@ -1,4 +1,4 @@
-"""experiments/parallel.py: mesh, shardings, the sharded step, several processes.
+"""experiments/mesh.py, distributed.py and the parallel command: mesh, shardings, the sharded step, several processes.
 
 Layout rules are checked in this process on an ``AbstractMesh`` (no devices
 needed). The checks that need devices run in subprocesses, because the CPU
@@ -27,7 +27,8 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 import models
 import skewadam_jax
 from experiments import optimizers
-from experiments import parallel
+from experiments import distributed
+from experiments import mesh as mesh_lib
 from experiments import train as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -73,30 +74,30 @@ def subprocess_env(**extra):
 
 
 def test_parse_mesh():
-  assert parallel.parse_mesh("data=4,expert=2") == {"data": 4, "expert": 2}
-  assert parallel.parse_mesh(" expert=8 ") == {"expert": 8}
-  assert parallel.parse_mesh("") == {}
+  assert mesh_lib.parse_mesh("data=4,expert=2") == {"data": 4, "expert": 2}
+  assert mesh_lib.parse_mesh(" expert=8 ") == {"expert": 8}
+  assert mesh_lib.parse_mesh("") == {}
   for bad, message in [("model=2", "bad --mesh entry 'model=2'"),
                        ("data4", "bad --mesh entry 'data4'"),
                        ("data=0", "data must be a positive integer, got '0'"),
                        ("data=x", "data must be a positive integer, got 'x'"),
                        ("data=2,data=2", "names 'data' twice")]:
     with pytest.raises(ValueError, match=message):
-      parallel.parse_mesh(bad)
+      mesh_lib.parse_mesh(bad)
 
 
 def test_make_mesh_uses_every_device():
-  mesh = parallel.make_mesh()
+  mesh = mesh_lib.make_mesh()
   assert dict(mesh.shape) == {"data": jax.device_count(), "expert": 1}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   with pytest.raises(ValueError, match="needs 16 devices, but there are 1.*"
                      "xla_force_host_platform_device_count"):
-    parallel.make_mesh(data=4, expert=4, devices=jax.devices()[:1])
+    mesh_lib.make_mesh(data=4, expert=4, devices=jax.devices()[:1])
 
 
 def test_param_shardings_split_experts_on_their_expert_axis(tiny_params, tiny_axes):
   specs = {k: stripped(s.spec) for k, s in
-           by_path(parallel.param_shardings(tiny_params, MESH, axes=tiny_axes)).items()}
+           by_path(mesh_lib.param_shardings(tiny_params, MESH, axes=tiny_axes)).items()}
   for name in ("w_gate", "w_up", "w_down"):  # [L, E, d_in, d_out]
     assert specs.pop(f"{EXPERTS}/{name}") == (None, "expert")
   assert specs.pop("layers/moe/router/kernel") == (None, None, "expert")  # [L, D, E]
@@ -106,7 +107,7 @@ def test_param_shardings_split_experts_on_their_expert_axis(tiny_params, tiny_ax
 def test_param_shardings_fsdp(tiny_params, tiny_axes):
   shapes = {k: x.shape for k, x in by_path(tiny_params).items()}
   specs = {k: stripped(s.spec) for k, s in by_path(
-      parallel.param_shardings(tiny_params, MESH, axes=tiny_axes, fsdp=True)).items()}
+      mesh_lib.param_shardings(tiny_params, MESH, axes=tiny_axes, fsdp=True)).items()}
   assert shapes["embed/embedding"] == (256, 32)
   assert specs["embed/embedding"] == ("data",)
   assert specs["unembed/kernel"] == (None, "data")
@@ -122,29 +123,29 @@ def test_param_shardings_fsdp(tiny_params, tiny_axes):
 def test_param_shardings_need_experts_to_divide(tiny_params, tiny_axes):
   with pytest.raises(ValueError, match="'layers/moe/experts/w_down'.*'experts', size 4.*"
                      "expert=3"):
-    parallel.param_shardings(tiny_params, AbstractMesh((1, 3), ("data", "expert")),
+    mesh_lib.param_shardings(tiny_params, AbstractMesh((1, 3), ("data", "expert")),
                              axes=tiny_axes)
   with pytest.raises(ValueError, match="'embed/embedding' has no declared logical axes"):
-    parallel.param_shardings(tiny_params, MESH, axes={})
+    mesh_lib.param_shardings(tiny_params, MESH, axes={})
 
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
 def test_every_optimizer_gets_valid_state_shardings(tiny_params, tiny_axes, optimizer):
   tx = optimizers.make_optimizer(optimizer, learning_rate=1e-3, axes=tiny_axes)
-  shardings = parallel.train_shardings(MESH, tx, tiny_params, axes=tiny_axes, fsdp=True)
+  shardings = mesh_lib.train_shardings(MESH, tx, tiny_params, axes=tiny_axes, fsdp=True)
   state = jax.eval_shape(tx.init, tiny_params)
   for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings.opt_state)):
     s.shard_shape(x.shape)  # raises unless every split axis divides evenly
-  per_device = parallel.device_state_bytes_by_tier(state, shardings.opt_state)
+  per_device = mesh_lib.device_state_bytes_by_tier(state, shardings.opt_state)
   whole = skewadam_jax.state_bytes_by_tier(state)
   assert 0 < per_device["expert"] <= whole["expert"] // 4
 
 
 def test_device_state_bytes_split_the_expert_tier(tiny_params, tiny_axes):
   tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3, axes=tiny_axes)
-  shardings = parallel.train_shardings(MESH, tx, tiny_params, axes=tiny_axes)
+  shardings = mesh_lib.train_shardings(MESH, tx, tiny_params, axes=tiny_axes)
   state = jax.eval_shape(tx.init, tiny_params)
-  per_device = parallel.device_state_bytes_by_tier(state, shardings.opt_state)
+  per_device = mesh_lib.device_state_bytes_by_tier(state, shardings.opt_state)
   whole = skewadam_jax.state_bytes_by_tier(state)
   assert per_device["expert"] * 4 == whole["expert"]
   assert per_device["backbone"] == whole["backbone"]  # replicated
@@ -153,18 +154,18 @@ def test_device_state_bytes_split_the_expert_tier(tiny_params, tiny_axes):
 
 
 def test_put_places_and_keeps():
-  mesh = parallel.make_mesh()
+  mesh = mesh_lib.make_mesh()
   sharding = NamedSharding(mesh, P("data"))
-  x = parallel.put(np.arange(4.0), sharding)
+  x = mesh_lib.put(np.arange(4.0), sharding)
   assert x.sharding == sharding
-  assert parallel.put(x, sharding) is x  # already there: no copy
-  y = parallel.put(jnp.arange(4.0), NamedSharding(mesh, P()))
+  assert mesh_lib.put(x, sharding) is x  # already there: no copy
+  y = mesh_lib.put(jnp.arange(4.0), NamedSharding(mesh, P()))
   assert y.sharding.spec == P()
 
 
 def test_put_moves_typed_prng_keys():
-  mesh = parallel.make_mesh()
-  key = parallel.put(jax.random.key(0), NamedSharding(mesh, P()))
+  mesh = mesh_lib.make_mesh()
+  key = mesh_lib.put(jax.random.key(0), NamedSharding(mesh, P()))
   assert key.sharding.spec == P()
   assert jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0))
 
@@ -179,7 +180,7 @@ def test_spmd_steps_take_host_batches_and_keyword_arguments():
     return optax.apply_updates(params, updates), opt_state, {"loss": loss(params)}
 
   params = {"w": jnp.ones((4, 2))}
-  spmd = parallel.spmd_steps(parallel.make_mesh(), tx, params, train_step,
+  spmd = mesh_lib.spmd_steps(mesh_lib.make_mesh(), tx, params, train_step,
                              axes={"w": ("embed", "mlp")})
   p, state = spmd.init(params)
   ones = np.ones((2, 3), np.int32)
@@ -192,8 +193,8 @@ def test_spmd_steps_take_host_batches_and_keyword_arguments():
 
 
 def test_initialize_distributed_is_a_no_op_for_one_process():
-  assert parallel.initialize_distributed(environ={}) is False
-  assert parallel.initialize_distributed(
+  assert distributed.initialize_distributed(environ={}) is False
+  assert distributed.initialize_distributed(
       environ={"JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) is False
 
 
@@ -206,7 +207,7 @@ def test_initialize_distributed_is_a_no_op_for_one_process():
 ])
 def test_initialize_distributed_rejects_partial_settings(args, environ, message):
   with pytest.raises(ValueError, match=message):
-    parallel.initialize_distributed(*args, environ=environ)
+    distributed.initialize_distributed(*args, environ=environ)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -214,7 +215,7 @@ def test_initialize_distributed_rejects_partial_settings(args, environ, message)
     (["--num-processes", "2", "--process-id", "0"], "need --coordinator-address too"),
 ])
 def test_train_command_rejects_bad_parallel_flags(capsys, monkeypatch, flags, message):
-  for var in (parallel.ENV_COORDINATOR, parallel.ENV_NUM_PROCESSES, parallel.ENV_PROCESS_ID):
+  for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
     monkeypatch.delenv(var, raising=False)
   argv = ["--preset", "tiny", "--no-progress", "--out", "/tmp/unused",
           "--data", str(ROOT / "data" / "README.md")] + flags
@@ -224,7 +225,7 @@ def test_train_command_rejects_bad_parallel_flags(capsys, monkeypatch, flags, me
 
 
 def test_docstring_examples_run():
-  result = doctest.testmod(parallel)
+  result = doctest.testmod(mesh_lib)
   assert result.attempted > 0 and result.failed == 0
 
 

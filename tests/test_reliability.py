@@ -25,6 +25,7 @@ import pytest
 import skewadam_jax as sa
 from experiments import checkpoint as ckpt_lib
 from experiments import train as train_lib
+from experiments import training
 from tests._steps import run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -96,7 +97,7 @@ RUN_CONFIG = dict(steps=8, ckpt_every=2, **TINY)
 @pytest.fixture(scope="module")
 def runs(corpus, cache_dir):
   """Runs shared by several tests, by --skip-nonfinite value: each compiles once."""
-  return {skip: train_lib.Run(train_lib.TrainConfig(data=corpus, skip_nonfinite=skip,
+  return {skip: training.Run(train_lib.TrainConfig(data=corpus, skip_nonfinite=skip,
                                                     **RUN_CONFIG), cache_dir=cache_dir)
           for skip in (0, 2)}
 
@@ -156,7 +157,7 @@ SR_CONFIG = dict(steps=6, ckpt_every=2, param_dtype="bfloat16", stochastic_round
 @pytest.fixture(scope="module")
 def sr_run(corpus, cache_dir):
   """One Run shared by the runs below: its steps compile once."""
-  return train_lib.Run(train_lib.TrainConfig(data=corpus, **SR_CONFIG), cache_dir=cache_dir)
+  return training.Run(train_lib.TrainConfig(data=corpus, **SR_CONFIG), cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 from experiments import checkpoint
 from experiments import optimizers
 from experiments import train as train_lib
+from experiments import training
 
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
             warmup_steps=2)
@@ -37,7 +38,7 @@ def test_a_few_steps_lower_the_loss(tmp_path, corpus, cache_dir, optimizer):
 def test_resume_matches_uninterrupted_run(tmp_path, corpus, cache_dir):
   config = train_lib.TrainConfig(optimizer="skewadam", steps=8, data=corpus,
                                  ckpt_every=100, **TINY)
-  run = train_lib.Run(config, cache_dir=cache_dir)  # compiled once for the three runs
+  run = training.Run(config, cache_dir=cache_dir)  # compiled once for the three runs
   full = train_lib.train(config, tmp_path / "full", progress=False, run=run)
   first = train_lib.train(config, tmp_path / "split", stop_after=4, progress=False, run=run)
   assert not first["completed"] and "val_ppl" not in first

@@ -1,0 +1,400 @@
+"""Data and expert parallelism with JAX SPMD: mesh, shardings, the sharded train step.
+
+A library module (the training command and ``python -m experiments.parallel``
+use it); :mod:`experiments.distributed` joins several processes.
+
+The layout, on a ``jax.sharding.Mesh`` with axes ``("data", "expert")``:
+
+| what | sharding |
+|---|---|
+| expert banks ``[L, E, d_in, d_out]``, router ``[L, D, E]`` | the ``experts`` axis split over ``expert`` |
+| everything else | replicated (``fsdp=True``: the larger matrix axis of each matrix split over ``data`` where it divides) |
+| batch ``[B, T]`` | ``B`` split over ``data`` |
+| optimizer state | derived by :func:`skewadam_jax.state_shardings` |
+| metrics | replicated |
+
+XLA's SPMD partitioner inserts the collectives: gradients of replicated
+parameters are all-reduced over ``data``. With ``moe_impl="dense"`` every
+device runs its own experts on its data shard's tokens and the combine sums
+over ``expert`` (no expert weights move). The ``"ragged"`` and ``"blocked"``
+lowerings pick experts by dynamic index, which the partitioner serves by
+all-gathering one layer's expert bank at a time inside the layer scan:
+parameters, gradients and optimizer state stay sharded, but the expert
+compute is then data-parallel (token dispatch with all-to-all under
+``shard_map`` would be needed for expert-parallel compute there). The batch is
+not split over ``expert``: devices that share a data shard repeat the dense
+(attention) work, which keeps the expert layer free of all-to-alls.
+
+The train step is compiled with explicit ``in_shardings``/``out_shardings`` and
+donated parameters and state, so each device keeps only its shards from one
+step to the next. Several processes (one per host) use the same code after
+joining them; every process feeds the same global batch and
+keeps only its own devices' part of it (:func:`experiments.distributed.initialize_distributed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp  # noqa: F401  (the examples use it)
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import skewadam_jax
+from models import axes as model_axes
+
+DATA, EXPERT = "data", "expert"
+MESH_AXES = (DATA, EXPERT)
+
+
+# --------------------------------------------------------------------------
+# Mesh.
+# --------------------------------------------------------------------------
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """Parses ``"data=4,expert=2"`` into ``{"data": 4, "expert": 2}``.
+
+  Axes left out are absent from the result (:func:`make_mesh` gives ``expert``
+  size 1 and ``data`` every device left).
+
+  Raises:
+    ValueError: for an unknown axis, a repeated axis or a size that is not a
+      positive integer.
+
+  Example:
+    >>> parse_mesh("data=4, expert=2")
+    {'data': 4, 'expert': 2}
+  """
+  sizes = {}
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    name, sep, value = part.partition("=")
+    name = name.strip()
+    if not sep or name not in MESH_AXES:
+      raise ValueError(f"bad --mesh entry {part!r} in {spec!r}: expected "
+                       f"AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
+    if name in sizes:
+      raise ValueError(f"--mesh {spec!r} names {name!r} twice")
+    try:
+      size = int(value)
+    except ValueError:
+      size = 0
+    if size < 1:
+      raise ValueError(f"--mesh {spec!r}: {name} must be a positive integer, "
+                       f"got {value.strip()!r}")
+    sizes[name] = size
+  return sizes
+
+
+def make_mesh(data: int | None = None, expert: int = 1, *,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ``("data", "expert")`` mesh over all devices (of every process).
+
+  The axes are ``AxisType.Auto`` (``jax.make_mesh`` defaults to ``Explicit``):
+  the model is written for the SPMD partitioner to propagate shardings from
+  the step's inputs and outputs, not to annotate every operation.
+
+  Args:
+    data: data-parallel size; default ``len(devices) // expert``.
+    expert: expert-parallel size (the expert banks' ``E`` must divide by it).
+    devices: default ``jax.devices()``, which spans every process.
+
+  Raises:
+    ValueError: if ``data * expert`` is not the number of devices (no device
+      is silently left idle).
+
+  Example:
+    >>> mesh = make_mesh(data=1, expert=1, devices=jax.devices()[:1])
+    >>> dict(mesh.shape)
+    {'data': 1, 'expert': 1}
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if expert < 1 or (data is not None and data < 1):
+    raise ValueError(f"mesh sizes must be >= 1, got data={data}, expert={expert}")
+  if data is None:
+    data = len(devices) // expert
+  if data * expert != len(devices):
+    raise ValueError(
+        f"mesh data={data} x expert={expert} needs {data * expert} devices, "
+        f"but there are {len(devices)} (on CPU, simulate more with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+  return jax.make_mesh((data, expert), MESH_AXES, devices=devices,
+                       axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+# --------------------------------------------------------------------------
+# Shardings.
+# --------------------------------------------------------------------------
+
+
+def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool = False):
+  """``NamedSharding`` s for the model's parameters on ``mesh``, from their logical axes.
+
+  Each parameter's declared logical axes (:func:`models.logical_axes`) go to
+  mesh axes by :data:`models.axes.MESH_RULES`: an ``experts`` axis is split
+  over ``expert`` (the expert banks ``[L, E, d_in, d_out]`` and the router's
+  columns ``[L, D, E]``); everything else is replicated. With ``fsdp`` the
+  larger matrix axis of every matrix that divides evenly is also split over
+  ``data`` (never a layer axis, which the layers are scanned over; never a
+  vector).
+
+  Args:
+    params: parameters or ``ShapeDtypeStruct`` s (paths and shapes are read).
+    mesh: a mesh with axes ``data`` and ``expert``.
+    axes: the logical axes by path (:func:`models.logical_axes`).
+    fsdp: also shard parameters (and so their optimizer state) over ``data``.
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of ``params``.
+
+  Raises:
+    ValueError: naming the path, if an ``experts`` axis does not divide by
+      the mesh's ``expert`` size, or a parameter has no declared axes.
+
+  Example:
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> params = {"embed": jnp.zeros((16, 4)),
+    ...           "moe": {"experts": {"w_up": jnp.zeros((2, 4, 4, 8))}}}
+    >>> axes = {"embed": ("vocab", "embed"),
+    ...         "moe/experts/w_up": ("layers", "experts", "embed", "mlp")}
+    >>> param_shardings(params, mesh, axes=axes)["moe"]["experts"]["w_up"].spec
+    P(None, 'expert', None, None)
+  """
+  sizes = dict(mesh.shape)
+
+  def one(path, leaf):
+    name = model_axes.path_to_str(path)
+    if name not in axes:
+      raise ValueError(f"parameter {name!r} has no declared logical axes")
+    try:
+      spec = model_axes.partition_spec(axes[name], leaf.shape, sizes,
+                                       fsdp_axis=DATA if fsdp else None)
+    except ValueError as err:
+      raise ValueError(f"parameter {name!r}: {err}") from None
+    return NamedSharding(mesh, P(*spec))
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Token batches ``[B, T]``: ``B`` split over ``data``, the rest replicated.
+
+  Example:
+    >>> batch_sharding(make_mesh(devices=jax.devices()[:1])).spec
+    P('data',)
+  """
+  return NamedSharding(mesh, P(DATA))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainShardings:
+  """Where every input and output of the train step lives.
+
+  Attributes:
+    mesh: the device mesh.
+    params: ``NamedSharding`` tree of the parameters (:func:`param_shardings`).
+    opt_state: ``NamedSharding`` tree of the optimizer state
+      (:func:`skewadam_jax.state_shardings`).
+    batch: sharding of ``inputs`` and ``targets`` (:func:`batch_sharding`).
+    replicated: sharding of metrics and other scalars.
+  """
+  mesh: Mesh
+  params: Any
+  opt_state: Any
+  batch: NamedSharding
+  replicated: NamedSharding
+
+
+def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
+                    fsdp: bool = False) -> TrainShardings:
+  """All the train step's shardings for optimizer ``tx`` (nothing allocated).
+
+  ``axes`` and ``fsdp`` as in :func:`param_shardings`.
+
+  Example:
+    >>> import optax
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    >>> s = train_shardings(mesh, optax.adam(1e-3), params, axes={"w": ("embed", "mlp")})
+    >>> s.opt_state[0].mu["w"].spec, s.batch.spec
+    (P(None, None), P('data',))
+  """
+  shardings = param_shardings(params, mesh, axes=axes, fsdp=fsdp)
+  return TrainShardings(
+      mesh=mesh, params=shardings,
+      opt_state=skewadam_jax.state_shardings(tx, params, shardings),
+      batch=batch_sharding(mesh), replicated=NamedSharding(mesh, P()))
+
+
+def put(tree, shardings):
+  """Places every leaf of ``tree`` on its sharding; leaves already there stay.
+
+  Host arrays (numpy, or arrays on one local device) must hold the same global
+  value in every process: each process keeps only its own devices' shards.
+  Arrays already sharded differently (a checkpoint restored onto another
+  layout) are resharded.
+
+  Example:
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> x = put(np.ones((4, 2)), batch_sharding(mesh))
+    >>> x.sharding.spec
+    P('data',)
+  """
+  def one(x, sharding):
+    if isinstance(x, jax.Array):
+      if x.sharding == sharding:
+        return x
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed PRNG keys
+        return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding),
+                                        impl=jax.random.key_impl(x))
+      if x.is_fully_addressable and not sharding.is_fully_addressable:
+        x = np.asarray(x)  # a local value, to be split across processes
+    return jax.device_put(x, sharding)
+  return jax.tree.map(one, tree, shardings)
+
+
+# --------------------------------------------------------------------------
+# Compiled steps.
+# --------------------------------------------------------------------------
+
+
+def sharded_init(tx, shardings: TrainShardings) -> Callable:
+  """``tx.init`` compiled to create each device's shards of the state directly.
+
+  Example:
+    >>> import optax
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> params = {"w": jnp.ones((4, 4))}
+    >>> s = train_shardings(mesh, optax.adam(1e-3), params, axes={"w": ("embed", "mlp")})
+    >>> state = sharded_init(optax.adam(1e-3), s)(put(params, s.params))
+    >>> state[0].mu["w"].sharding == s.opt_state[0].mu["w"]
+    True
+  """
+  return jax.jit(tx.init, in_shardings=(shardings.params,),
+                 out_shardings=shardings.opt_state)
+
+
+def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
+                       donate: bool = True) -> Callable:
+  """Compiles ``train_step(params, opt_state, inputs, targets, **kwargs)`` for the mesh.
+
+  ``train_step`` is the training command's (``experiments.steps.make_step_fns``).
+  Inputs and outputs have explicit shardings, so parameters and optimizer
+  state come out exactly as they went in (step after step, nothing drifts to
+  replicated) and metrics come out replicated. ``jit`` takes no keyword
+  arguments with ``in_shardings``, so the compiled step takes ``train_step``'s
+  keyword arguments (a PRNG key, a gradient scale) as one dict, replicated.
+  The arguments must already be placed (:func:`put`); :func:`spmd_steps`
+  wraps that.
+
+  Args:
+    train_step: ``(params, opt_state, inputs, targets, **kwargs) ->
+      (params, opt_state, metrics)``.
+    shardings: from :func:`train_shardings`.
+    donate: donate the parameters' and state's buffers to the outputs.
+
+  Returns:
+    The jitted ``(params, opt_state, inputs, targets, kwargs)`` step
+    (``.lower(params, opt_state, inputs, targets, {})`` for memory analysis).
+  """
+  s = shardings
+
+  def step(params, opt_state, inputs, targets, kwargs):
+    return train_step(params, opt_state, inputs, targets, **kwargs)
+
+  return jax.jit(step,
+                 in_shardings=(s.params, s.opt_state, s.batch, s.batch, s.replicated),
+                 out_shardings=(s.params, s.opt_state, s.replicated),
+                 donate_argnums=(0, 1) if donate else ())
+
+
+def sharded_eval_step(eval_step: Callable, shardings: TrainShardings) -> Callable:
+  """Compiles ``eval_step(params, inputs, targets)`` with replicated outputs."""
+  s = shardings
+  return jax.jit(eval_step, in_shardings=(s.params, s.batch, s.batch),
+                 out_shardings=s.replicated)
+
+
+class SpmdSteps(NamedTuple):
+  """A run's steps on a mesh, taking host batches (as ``experiments.train.Run``).
+
+  Attributes:
+    shardings: the :class:`TrainShardings`.
+    init: ``params -> (params, opt_state)``, both sharded; the argument (host
+      or device arrays) is copied, never donated.
+    train_step: ``(params, opt_state, inputs, targets, **kwargs) -> (params,
+      opt_state, metrics)``; places its arguments (:func:`put`), then runs
+      the compiled step.
+    eval_step: ``(params, inputs, targets) -> outputs``, likewise.
+  """
+  shardings: TrainShardings
+  init: Callable
+  train_step: Callable
+  eval_step: Callable
+
+
+def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
+               eval_step: Callable | None = None, *, axes: Mapping[str, tuple],
+               fsdp: bool = False) -> SpmdSteps:
+  """Shardings and compiled steps of one run on ``mesh``.
+
+  Args:
+    mesh: from :func:`make_mesh`.
+    tx: the optimizer.
+    params: the parameters (or ``ShapeDtypeStruct`` s).
+    train_step, eval_step: as returned by ``experiments.steps.make_step_fns``.
+    axes, fsdp: see :func:`param_shardings`.
+  """
+  s = train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp)
+  init_state = sharded_init(tx, s)
+  step = sharded_train_step(train_step, s)
+
+  def init(params):
+    params = put(jax.device_get(params), s.params)  # fresh buffers: donatable
+    return params, init_state(params)
+
+  def placed_train_step(params, opt_state, inputs, targets, **kwargs):
+    replicated = jax.tree.map(lambda _: s.replicated, kwargs)
+    return step(*put((params, opt_state, inputs, targets, kwargs),
+                     (s.params, s.opt_state, s.batch, s.batch, replicated)))
+
+  placed_eval_step = None
+  if eval_step is not None:
+    evaluate = sharded_eval_step(eval_step, s)
+    placed_eval_step = lambda *args: evaluate(*put(args, (s.params, s.batch, s.batch)))
+  return SpmdSteps(s, init, placed_train_step, placed_eval_step)
+
+
+# --------------------------------------------------------------------------
+# Bytes per device.
+# --------------------------------------------------------------------------
+
+
+def device_state_bytes_by_tier(state, shardings=None) -> dict[str, int]:
+  """Optimizer-state bytes that one device holds, by tier.
+
+  Every ``NamedSharding`` splits evenly, so every device of the mesh holds the
+  same amount: the bytes of each array's shard shape. Works on a live state
+  (its own shardings) and on an abstract one (``jax.eval_shape``) with the
+  matching ``shardings`` (e.g. ``TrainShardings.opt_state``), so a layout can
+  be sized without allocating it.
+
+  Returns:
+    ``{"backbone", "expert", "router", "other", "total"}`` in bytes, as
+    :func:`skewadam_jax.state_bytes_by_tier`.
+
+  Example:
+    >>> import optax
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    >>> s = train_shardings(mesh, optax.adam(1e-3), params, axes={"w": ("embed", "mlp")})
+    >>> state = jax.eval_shape(optax.adam(1e-3).init, params)
+    >>> device_state_bytes_by_tier(state, s.opt_state)["total"]  # mu, nu, count
+    132
+  """
+  if shardings is None:
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+  shard = lambda x, sh: jax.ShapeDtypeStruct(sh.shard_shape(x.shape), x.dtype)
+  return skewadam_jax.state_bytes_by_tier(jax.tree.map(shard, state, shardings))
