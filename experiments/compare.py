@@ -139,11 +139,23 @@ def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
   return [base * f for f in factors]
 
 
+def finished_summary(out: pathlib.Path, config: TrainConfig) -> dict | None:
+  """The summary of a finished run of exactly ``config`` in ``out``, else ``None``."""
+  try:
+    summary = json.loads((out / "summary.json").read_text())
+  except (OSError, ValueError):
+    return None
+  same = summary.get("config") == json.loads(json.dumps(dataclasses.asdict(config)))
+  return summary if same and summary.get("completed") and "val_ppl" in summary else None
+
+
 def _run(base: TrainConfig, out: pathlib.Path, cache_dir, *,
-         keep_checkpoints: bool = False, **overrides) -> dict:
+         keep_checkpoints: bool = False, reuse: bool = False, **overrides) -> dict:
   config = dataclasses.replace(base, **overrides)
-  shutil.rmtree(out, ignore_errors=True)  # a rerun replaces its own earlier run
-  summary = training.train(config, out, cache_dir=cache_dir, progress=False)
+  summary = finished_summary(out, config) if reuse else None
+  if summary is None:
+    shutil.rmtree(out, ignore_errors=True)  # a rerun replaces its own earlier run
+    summary = training.train(config, out, cache_dir=cache_dir, progress=False)
   if not keep_checkpoints:  # the comparison needs the metrics and summary only
     shutil.rmtree(out / "ckpt", ignore_errors=True)
   curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -157,14 +169,18 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
             out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
             max_extensions: int = 2, cache_dir=None, log=print,
-            keep_checkpoints: bool = False, progress: bool = False) -> list[dict]:
+            keep_checkpoints: bool = False, progress: bool = False,
+            reuse_runs: bool = False) -> list[dict]:
   """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
 
   SkewAdam configurations are resolved against the defaults and run once
   each, however many entries name them. Each run keeps its ``metrics.jsonl``
   and ``summary.json``; its checkpoints are deleted unless
   ``keep_checkpoints``. ``progress`` shows one bar over all runs (its total is
-  the most runs the protocol can take, lowered as grids end early).
+  the most runs the protocol can take, lowered as grids end early). With
+  ``reuse_runs`` a run whose folder holds a finished run of the same
+  configuration is read instead of trained again, so an interrupted
+  comparison continues where it stopped.
   """
   out_dir = pathlib.Path(out_dir)
   rows, seen = [], []
@@ -175,7 +191,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   bar = tqdm(total=per_entry * len(unique), desc="compare", unit="run", disable=not progress,
              dynamic_ncols=True, file=sys.stderr)
-  run_one = functools.partial(_run, keep_checkpoints=keep_checkpoints)
+  run_one = functools.partial(_run, keep_checkpoints=keep_checkpoints, reuse=reuse_runs)
   for optimizer, config in entries:
     if optimizer == "skewadam":
       config = resolve_config(config or {})
@@ -393,7 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m experiments.compare",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="small")
-  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS))
+  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS),
+                      help="comma-separated, from " + ", ".join(optimizers.OPTIMIZERS)
+                      + " (empty: only the --skewadam-configs rows)")
   parser.add_argument("--skewadam-configs", default="",
                       help="extra SkewAdam rows, ';'-separated, e.g. "
                       "'expert_m=int8;backbone_m=bf16,backbone_v=factored'")
@@ -412,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--keep-checkpoints", action="store_true",
                       help="keep each run's checkpoints (default: only its metrics and summary)")
   parser.add_argument("--no-progress", action="store_true", help="no overall progress bar")
+  parser.add_argument("--reuse-runs", action="store_true",
+                      help="read runs already finished with the same configuration instead of "
+                      "training them again (continues an interrupted comparison)")
   parser.add_argument("--keep-rows-from", default=None, metavar="COMPARE_JSON",
                       help="add this saved comparison's rows that were not (re)run "
                       "(with --render: merge the two into OUT/compare.json)")
@@ -431,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.seeds:
     budget["seeds"] = tuple(int(s) for s in args.seeds.split(","))
   try:
-    entries = [(name, None) for name in args.optimizers.split(",")]
+    entries = [(name, None) for name in filter(None, args.optimizers.split(","))]
     for name, _ in entries:
       if name not in optimizers.OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from "
@@ -453,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
                    max_extensions=budget["max_extensions"],
                    log=lambda m: print(m, file=sys.stderr, flush=True),
-                   keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress)
+                   keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress,
+                   reuse_runs=args.reuse_runs)
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

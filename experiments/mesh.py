@@ -3,7 +3,9 @@
 A library module (the training command and ``python -m experiments.parallel``
 use it); :mod:`experiments.distributed` joins several processes.
 
-The layout, on a ``jax.sharding.Mesh`` with axes ``("data", "expert")``:
+The layout, on a ``jax.sharding.Mesh`` with axes ``("data", "expert")``; the
+parameters' rows follow from their declared logical axes
+(:data:`models.axes.MESH_RULES`, :func:`models.axes.partition_spec`):
 
 | what | sharding |
 |---|---|

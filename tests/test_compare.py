@@ -44,6 +44,19 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
   assert compare.main(["--render", str(tmp_path / "cmp" / "compare.json"),
                        "--out", str(tmp_path / "again")]) == 0
   assert (tmp_path / "again" / "compare.md").read_text() == table
+  # --reuse-runs reads every finished run instead of training it again.
+  def no_training(*args, **kwargs):
+    raise AssertionError("a finished run was trained again")
+  monkeypatch.setattr(compare.training, "train", no_training)
+  assert compare.main(argv + ["--reuse-runs"]) == 0
+  assert (tmp_path / "cmp" / "compare.md").read_text() == table
+  # A run of another configuration in the same folder is not reused.
+  some_run = sorted(runs)[0]
+  summary = json.loads((some_run / "summary.json").read_text())
+  summary["config"]["seed"] += 100
+  (some_run / "summary.json").write_text(json.dumps(summary))
+  with pytest.raises(AssertionError, match="trained again"):
+    compare.main(argv + ["--reuse-runs"])
 
 
 def _with_cache(train, cache_dir):
