@@ -2,7 +2,8 @@
 
 A library plus thin commands. The library modules (``config``, ``steps``,
 ``optimizers``, ``training``, ``metrics_log``, ``checkpoint``, ``data``,
-``mesh``, ``distributed``, ``planner``, ``accounting``) never import a
+``update_in_backward``, ``mesh``, ``distributed``, ``planner``,
+``accounting``) never import a
 command; the commands (``python -m experiments.NAME`` for ``train``,
 ``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,
 ``state_bytes``) are short ``main()`` s over them. Nothing here changes the

@@ -95,6 +95,12 @@ class TrainConfig:
                                     structural=True, choices=PARAM_DTYPES, kind=str)
   stochastic_rounding: bool = setting(False, "round updates to bf16 parameters "
                                       "stochastically", structural=True)
+  update_in_backward: bool = setting(
+      False, "apply each layer's update inside the backward pass, so one layer's "
+      "gradients are alive at a time (experiments/update_in_backward.py)", structural=True)
+  clip_mode: str = setting("exact", "with --update-in-backward: 'exact' (a first pass "
+                           "for the global norm) or 'stale' (the previous step's norm)",
+                           structural=True, choices=("exact", "stale"))
   skip_nonfinite: int = setting(0, "skip steps with NaN/Inf gradients, stop after this "
                                 "many in a row (0: off, stop at a non-finite loss)",
                                 structural=True)
@@ -155,6 +161,15 @@ class TrainConfig:
     skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
     if self.mesh:
       mesh_lib.parse_mesh(self.mesh)
+    if self.clip_mode not in ("exact", "stale"):
+      raise ValueError(f"--clip-mode must be exact or stale, got {self.clip_mode!r}")
+    if self.update_in_backward:
+      if self.mesh:
+        raise ValueError("--update-in-backward runs on one device for now; drop --mesh")
+      if self.skip_nonfinite and self.clip_mode != "exact":
+        raise ValueError("--skip-nonfinite with --update-in-backward needs --clip-mode "
+                         "exact (in 'stale' mode a layer is updated before the later "
+                         "layers' gradients are seen)")
 
 
 STRUCTURAL_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)

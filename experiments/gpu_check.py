@@ -10,6 +10,8 @@ training command's ``train_step``) with SkewAdam on random tokens, and reports
 the measured peak (``device.memory_stats()["peak_bytes_in_use"]``) and step
 times. Then it tries the same with AdamW (fp32 moments) and reports the
 out-of-memory error XLA raises. One JSON line per phase, on stdout.
+``--update-in-backward [--clip-mode exact|stale]`` runs the step that updates
+each layer inside the backward pass (``experiments/update_in_backward.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _cap_memory(cap_gb: float) -> dict:
   return {"cap_bytes": int(cap_gb * 1e9), "gpu_total_bytes": total, "mem_fraction": fraction}
 
 
-def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps: int) -> dict:
+def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps: int,
+              update_in_backward: bool = False, clip_mode: str = "exact") -> dict:
   """Builds the model and optimizer on the device and runs ``steps`` train steps."""
   import jax
   import jax.numpy as jnp
@@ -53,9 +56,11 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   import models
   from experiments import planner
   from experiments import steps as steps_lib
+  from experiments import update_in_backward as uib
 
   device = jax.devices()[0]
-  result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device)}
+  result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device),
+            "update_in_backward": update_in_backward}
   config = models.get_preset(preset, param_dtype=jnp.bfloat16)
   seq = seq or config.max_seq_len
   result["seq"] = seq
@@ -67,9 +72,14 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
 
     _, graphdef, _, rest = planner.abstract_model(preset, jnp.bfloat16)
     params = init_params()
-    tx = planner.make_tx(optimizer, preset)
-    opt_state = jax.jit(tx.init)(params)
-    train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
+    tx = planner.make_tx(optimizer, preset, update_in_backward=update_in_backward)
+    if update_in_backward:
+      opt_state = jax.jit(lambda p: uib.init(tx, p))(params)
+      train_step = uib.make_train_step(graphdef, rest, tx, clip_mode=clip_mode)
+      result["clip_mode"] = clip_mode
+    else:
+      opt_state = jax.jit(tx.init)(params)
+      train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
     step = jax.jit(train_step, donate_argnums=(0, 1))
     key = jax.random.PRNGKey(0)
     times = []
@@ -101,11 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--cap-gb", type=float, default=40.0, help="0: no cap")
   parser.add_argument("--optimizers", default="skewadam,adamw")
+  parser.add_argument("--update-in-backward", action="store_true",
+                      help="the step that updates each layer inside the backward pass")
+  parser.add_argument("--clip-mode", default="exact", help="exact | stale")
   parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.phase:  # a child process: one optimizer, a fresh memory pool
     cap = _cap_memory(args.cap_gb)
-    result = run_phase(args.preset, args.phase, batch=args.batch, seq=args.seq, steps=args.steps)
+    result = run_phase(args.preset, args.phase, batch=args.batch, seq=args.seq, steps=args.steps,
+                       update_in_backward=args.update_in_backward, clip_mode=args.clip_mode)
     print(json.dumps({**cap, **result}), flush=True)
     return 0
   # Each optimizer in its own process, so the peak and an OOM of one phase do
@@ -115,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "--batch", str(args.batch), "--steps", str(args.steps), "--cap-gb", str(args.cap_gb)]
     if args.seq:
       cmd += ["--seq", str(args.seq)]
+    if args.update_in_backward:
+      cmd += ["--update-in-backward", "--clip-mode", args.clip_mode]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     print(lines[-1] if lines else json.dumps(

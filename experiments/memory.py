@@ -14,7 +14,14 @@ For a preset and an optimizer it reports
   in ``experiments/gpu_targets/``). ``peak = argument + output − alias + temp``;
 * the verdict against the device's memory less a safety margin (2 GB by
   default: CUDA context, cuBLAS/cuDNN workspaces, fragmentation), and the
-  largest batch that fits (doubling, then bisection).
+  largest batch that fits (doubling, then bisection); ``--device-memory-gb N``
+  checks against a device of N GB instead (e.g. 24 for an L4 / RTX 4090).
+
+``--update-in-backward [--clip-mode exact|stale]`` plans the step that applies
+each layer's update inside the backward pass (``experiments/update_in_backward.py``);
+``grad_bytes`` is then one layer's gradients plus those outside the stack, the
+most alive at once. ``matmul_flops`` counts the step's matrix multiplies
+(scan bodies times their length; ``experiments.planner.matmul_flops``).
 
 Parameters and gradients are bf16 by default (``--param-dtype``). The GPU
 compile needs the ``gpu-compile`` extra (``pip install -e '.[gpu-compile]'``);
@@ -75,6 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--backbone-momentum", default=None, help="SkewAdam backbone encoding")
   parser.add_argument("--backbone-second-moment", default=None, help="exact | factored")
   parser.add_argument("--router-second-moment", default=None, help="exact | factored")
+  parser.add_argument("--update-in-backward", action="store_true",
+                      help="the step that updates each layer inside the backward pass")
+  parser.add_argument("--clip-mode", default="exact", help="with --update-in-backward: "
+                      "exact | stale (experiments/update_in_backward.py)")
+  parser.add_argument("--device-memory-gb", type=float, default=None,
+                      help="check the fit against a device of this many GB (default: "
+                      "the target's memory)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   args = parser.parse_args(argv)
   try:
@@ -83,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        f"choose from {', '.join(optimizers.OPTIMIZERS)}")
     report = plan(args.preset, args.optimizer, target=args.target, batch=args.batch,
                   seq=args.seq, margin_gb=args.margin_gb, skewadam_tiers=_parse_tiers(args),
-                  param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search)
+                  param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
+                  update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
+                  device_memory_gb=args.device_memory_gb,
+                  progress=lambda message: print(message, file=sys.stderr, flush=True))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
@@ -92,8 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   g = _human
   tiers = report["opt_state_bytes_by_tier"]
+  mode = (f", update in backward ({report['clip_mode']} clip)"
+          if report["update_in_backward"] else "")
   print(f"{report['preset']} ({report['num_params']:,} params, {report['param_dtype']}), "
-        f"{report['optimizer']}, batch {report['batch']} x {report['seq']}, "
+        f"{report['optimizer']}{mode}, batch {report['batch']} x {report['seq']}, "
         f"compiled for {report['compiled_for']}")
   print(f"  params {g(report['param_bytes'])}, grads {g(report['grad_bytes'])}, optimizer "
         f"state {g(report['opt_state_bytes'])} (backbone {g(tiers['backbone'])}, expert "
@@ -101,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   x = report["xla"]
   print(f"  XLA: argument {g(x['argument'])}, output {g(x['output'])}, alias "
         f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
+  print(f"  matrix-multiply FLOPs per step: {report['matmul_flops']:.3e}")
   if report["device_bytes"] is not None:
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
     print(f"  {verdict} in {g(report['device_bytes'])} with a {g(report['margin_bytes'])} "

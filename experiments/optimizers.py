@@ -68,18 +68,6 @@ def per_path(table: Mapping[str, Any]) -> Callable[[Any], Any]:
   return fn
 
 
-def _nested(table: Mapping[str, Any]) -> dict:
-  """``{"a/b": x}`` as ``{"a": {"b": x}}`` (a specification tree matched by path)."""
-  out: dict = {}
-  for path, value in table.items():
-    *parents, last = path.split("/")
-    node = out
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[last] = value
-  return out
-
-
 def decay_mask(axes: Axes) -> Callable[[Any], Any]:
   """Weight decay on matrices only (two unstacked axes), as a mask function.
 
@@ -92,10 +80,15 @@ def decay_mask(axes: Axes) -> Callable[[Any], Any]:
 
 
 def skewadam_axes(axes: Axes) -> dict:
-  """SkewAdam's ``param_labels`` and ``matrix_axes`` from the logical axes."""
+  """SkewAdam's ``param_labels`` and ``matrix_axes`` from the logical axes.
+
+  Both are functions of the tree they are given (matched by path), so the
+  same optimizer serves the whole parameter tree or any part of it (one
+  layer's slice, the parameters outside the layer stack).
+  """
   return {
-      "param_labels": _nested({p: model_axes.tier(n) for p, n in axes.items()}),
-      "matrix_axes": _nested({
+      "param_labels": per_path({p: model_axes.tier(n) for p, n in axes.items()}),
+      "matrix_axes": per_path({
           p: None if (d := model_axes.matrix_dims(n)) is None else skewadam_jax.MatrixAxes(*d)
           for p, n in axes.items()}),
   }

@@ -23,6 +23,7 @@ compiles for a GPU target calls :func:`use_deviceless_gpu_environment` in its
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pathlib
 import re
@@ -36,6 +37,7 @@ import skewadam_jax
 import experiments
 from experiments import optimizers
 from experiments import steps as steps_lib
+from experiments import update_in_backward as uib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"
 TARGETS = {"a100-40gb": "a100_sxm_40gb.txtpb", "h100-80gb": "h100_sxm.txtpb", "cpu": None}
@@ -100,11 +102,32 @@ def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
   return steps_lib.abstract_model(preset, param_dtype, **overrides)
 
 
-def make_tx(optimizer: str, preset: str, skewadam_tiers: dict | None = None):
-  """The training command's optimizer for ``preset`` (schedule values do not change memory)."""
+def make_tx(optimizer: str, preset: str, skewadam_tiers: dict | None = None, *,
+            update_in_backward: bool = False):
+  """The training command's optimizer for ``preset`` (schedule values do not change memory).
+
+  With ``update_in_backward``: the per-slice optimizer of that step (built for
+  :func:`~experiments.update_in_backward.slice_axes`, clipping done by the step).
+  """
+  axes = steps_lib.abstract_axes(preset)
+  if update_in_backward:
+    axes = uib.slice_axes(axes)
   return optimizers.make_optimizer(
-      optimizer, learning_rate=optimizers.lr_schedule(1e-3, 1000, 100),
-      axes=steps_lib.abstract_axes(preset), skewadam_tiers=skewadam_tiers)
+      optimizer, learning_rate=optimizers.lr_schedule(1e-3, 1000, 100), axes=axes,
+      skewadam_tiers=skewadam_tiers, clip_norm=0 if update_in_backward else 1.0)
+
+
+def abstract_train_step(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
+                        param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
+                        clip_mode: str = "exact", **overrides):
+  """(train step, abstract params, abstract optimizer state) as the training command builds them."""
+  _, graphdef, params, rest = abstract_model(preset, param_dtype, **overrides)
+  tx = make_tx(optimizer, preset, skewadam_tiers, update_in_backward=update_in_backward)
+  if update_in_backward:
+    train_step = uib.make_train_step(graphdef, rest, tx, clip_norm=1.0, clip_mode=clip_mode)
+    return train_step, params, jax.eval_shape(lambda p: uib.init(tx, p), params)
+  train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
+  return train_step, params, jax.eval_shape(tx.init, params)
 
 
 def with_sharding(tree, sharding):
@@ -114,24 +137,73 @@ def with_sharding(tree, sharding):
 
 def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
                  target: str = "a100-40gb", skewadam_tiers: dict | None = None,
-                 param_dtype: Any = jnp.bfloat16, **overrides) -> dict:
-  """XLA's memory analysis of the donated train step, compiled for ``target``."""
-  _, graphdef, params, rest = abstract_model(preset, param_dtype, **overrides)
-  tx = make_tx(optimizer, preset, skewadam_tiers)
-  opt_state = jax.eval_shape(tx.init, params)
-  train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
+                 param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
+                 clip_mode: str = "exact", **overrides) -> dict:
+  """XLA's memory analysis of the donated train step, compiled for ``target``, and
+  its :func:`matmul_flops`."""
+  train_step, params, opt_state = abstract_train_step(
+      preset, optimizer, skewadam_tiers=skewadam_tiers, param_dtype=param_dtype,
+      update_in_backward=update_in_backward, clip_mode=clip_mode, **overrides)
   sharding, warning = target_sharding(target)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
-  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
-      with_sharding(params, sharding), with_sharding(opt_state, sharding),
-      tokens, tokens).compile()
+  args = (with_sharding(params, sharding), with_sharding(opt_state, sharding), tokens, tokens)
+  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args).compile()
   analysis = compiled.memory_analysis()
   xla = {"argument": int(analysis.argument_size_in_bytes),
          "output": int(analysis.output_size_in_bytes),
          "alias": int(analysis.alias_size_in_bytes),
          "temp": int(analysis.temp_size_in_bytes)}
   xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
-  return {"xla": xla, "warning": warning}
+  return {"xla": xla, "matmul_flops": matmul_flops(train_step, *args), "warning": warning}
+
+
+def matmul_flops(fn, *args) -> int:
+  """Matrix-multiply FLOPs of one call of ``fn(*args)``, counted from its jaxpr.
+
+  ``2 · |output| · |contracted axes|`` per ``dot_general`` (and ``ragged_dot``
+  as if dense), each ``scan`` body times its length, the larger branch of a
+  ``cond``, every rematerialised recompute where the backward pass has it.
+  Not XLA's compiled ``cost_analysis()``: that counts a loop body once,
+  whatever its trip count, so a scanned layer stack would look as cheap as one
+  layer. Elementwise work (norms, softmax, the optimizer update) is left out:
+  it is a small share of a transformer step.
+  """
+  return _jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _sub_jaxprs(value):
+  if hasattr(value, "eqns"):
+    yield value
+  elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+    yield value.jaxpr
+  elif isinstance(value, (tuple, list)):
+    for item in value:
+      yield from _sub_jaxprs(item)
+
+
+def _jaxpr_matmul_flops(jaxpr) -> int:
+  total = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("dot_general", "ragged_dot", "ragged_dot_general"):
+      lhs = eqn.invars[0].aval.shape
+      out = eqn.outvars[0].aval.shape
+      if name == "dot_general":
+        contract = math.prod(lhs[i] for i in eqn.params["dimension_numbers"][0][0])
+      else:
+        contract = lhs[-1]
+      total += 2 * math.prod(out) * contract
+      continue
+    subs = [f for v in eqn.params.values() for f in [_jaxpr_matmul_flops(j) for j in _sub_jaxprs(v)]]
+    if not subs:
+      continue
+    if name == "cond":
+      total += max(subs)
+    elif name == "scan":
+      total += eqn.params["length"] * sum(subs)
+    else:
+      total += sum(subs)
+  return total
 
 
 def _fits(peak: int, device_bytes: int | None, margin_bytes: int) -> bool | None:
@@ -160,29 +232,61 @@ def max_batch_that_fits(peak_at, device_bytes: int, margin_bytes: int, *,
 
 def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int = 1,
          seq: int | None = None, margin_gb: float = 2.0, skewadam_tiers: dict | None = None,
-         param_dtype: Any = jnp.bfloat16, search_batch: bool = True) -> dict:
-  """The planner's report (see the module docstring); JSON-serialisable."""
+         param_dtype: Any = jnp.bfloat16, search_batch: bool = True,
+         update_in_backward: bool = False, clip_mode: str = "exact",
+         device_memory_gb: float | None = None, progress=None) -> dict:
+  """The planner's report (see the module docstring); JSON-serialisable.
+
+  ``device_memory_gb`` checks the fit against a device of that size instead
+  of the target's own memory (same margin rule), e.g. 24 for a 24 GB card.
+  ``progress(message)``, if given, is told about each compile.
+  """
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
+  if clip_mode not in uib.CLIP_MODES:
+    raise ValueError(f"--clip-mode must be one of {', '.join(uib.CLIP_MODES)}, got {clip_mode!r}")
+  if device_memory_gb is not None and not device_memory_gb > 0:
+    raise ValueError(f"--device-memory-gb must be > 0, got {device_memory_gb}")
   config, _, params, _ = abstract_model(preset, param_dtype)
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:
     raise ValueError(f"--seq must be in [1, {config.max_seq_len}] for {preset}, got {seq}")
-  tx = make_tx(optimizer, preset, skewadam_tiers)
-  state_by_tier = skewadam_jax.abstract_state_bytes_by_tier(tx, params)
+  _, _, opt_state = abstract_train_step(preset, optimizer, skewadam_tiers=skewadam_tiers,
+                                        param_dtype=param_dtype,
+                                        update_in_backward=update_in_backward)
+  state_by_tier = skewadam_jax.state_bytes_by_tier(opt_state)
   param_bytes = skewadam_jax.tree_bytes(params)
-  compiled = compile_step(preset, optimizer, batch=batch, seq=seq, target=target,
-                          skewadam_tiers=skewadam_tiers, param_dtype=param_dtype)
-  device_bytes = target_device_bytes(target)
+  if update_in_backward:  # one layer's slice and the parameters outside the stack
+    layer_part, outer_part = uib.split_layers(params)
+    num_layers = jax.tree.leaves(layer_part)[0].shape[0]
+    grad_bytes = (skewadam_jax.tree_bytes(layer_part) // num_layers
+                  + skewadam_jax.tree_bytes(outer_part))
+  else:
+    grad_bytes = param_bytes
+  step_options = dict(seq=seq, target=target, skewadam_tiers=skewadam_tiers,
+                      param_dtype=param_dtype, update_in_backward=update_in_backward,
+                      clip_mode=clip_mode)
+
+  def compile_at(b):
+    if progress:
+      progress(f"compiling the train step at batch {b} x {seq} for {target}")
+    return compile_step(preset, optimizer, batch=b, **step_options)
+
+  compiled = compile_at(batch)
+  device_bytes = (int(device_memory_gb * GB) if device_memory_gb is not None
+                  else target_device_bytes(target))
   margin_bytes = int(margin_gb * GB)
   report = {
       "preset": preset, "optimizer": optimizer, "skewadam_tiers": skewadam_tiers or {},
       "target": target, "batch": batch, "seq": seq,
       "param_dtype": jnp.dtype(param_dtype).name,
+      "update_in_backward": update_in_backward,
+      "clip_mode": clip_mode if update_in_backward else None,
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
-      "param_bytes": param_bytes, "grad_bytes": param_bytes,
+      "param_bytes": param_bytes, "grad_bytes": grad_bytes,
       "opt_state_bytes": state_by_tier["total"], "opt_state_bytes_by_tier": state_by_tier,
       "xla": {k: v for k, v in compiled["xla"].items() if k != "peak"},
+      "matmul_flops": compiled["matmul_flops"],
       "peak_bytes": compiled["xla"]["peak"],
       "device_bytes": device_bytes, "margin_bytes": margin_bytes,
       "fits": _fits(compiled["xla"]["peak"], device_bytes, margin_bytes),
@@ -195,9 +299,10 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
 
     def peak_at(b):
       if b not in peaks:
-        peaks[b] = compile_step(preset, optimizer, batch=b, seq=seq, target=target,
-                                skewadam_tiers=skewadam_tiers,
-                                param_dtype=param_dtype)["xla"]["peak"]
+        peaks[b] = compile_at(b)["xla"]["peak"]
+        if progress:
+          verdict = "fits" if _fits(peaks[b], device_bytes, margin_bytes) else "does not fit"
+          progress(f"batch {b}: peak {peaks[b] / GB:.2f} GB, {verdict}")
       return peaks[b]
 
     report["max_batch_that_fits"] = max_batch_that_fits(peak_at, device_bytes, margin_bytes)
@@ -214,6 +319,8 @@ def markdown_table(reports: Sequence[dict]) -> str:
                        for tier, spec in r.get("skewadam_tiers", {}).items()) or "defaults"
     if r["optimizer"] != "skewadam":
       config = "fp32 state"
+    if r.get("update_in_backward"):
+      config += f", update in backward ({r['clip_mode']} clip)"
     lines.append(f"| {r['optimizer']} | {config} | {r['opt_state_bytes'] / GB:.2f} GB "
                  f"| {r['peak_bytes'] / GB:.2f} GB | {'yes' if r['fits'] else 'no'} "
                  f"| {r['max_batch_that_fits']} |")

@@ -30,6 +30,7 @@ import skewadam_jax
 from experiments import data as data_lib
 from experiments import mesh as mesh_lib
 from experiments import optimizers
+from experiments import update_in_backward
 from experiments.checkpoint import Checkpointer
 from experiments.config import TrainConfig
 from experiments.metrics_log import MetricsLog, read_metrics, write_atomically
@@ -85,6 +86,13 @@ class Run:
     self.initial_params = nnx.as_pure(params)
     lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
     self.schedule = optimizers.lr_schedule(lr, config.steps, config.warmup_steps)
+    # Stochastic-rounding bits are a pure function of (seed, step), like the
+    # batches, so a resumed run rounds exactly as an uninterrupted one.
+    self.rounding_key = jax.random.fold_in(jax.random.key(config.seed), 0x5352)
+    self.spmd = None
+    if config.update_in_backward:
+      self._build_update_in_backward()
+      return
     self.tx = optimizers.make_optimizer(
         config.optimizer, learning_rate=self.schedule, axes=self.axes,
         weight_decay=config.weight_decay, clip_norm=config.clip_norm,
@@ -94,12 +102,8 @@ class Run:
       # (moments, step count, schedule): as if the batch had not been drawn.
       # optax applies the (K+1)-th bad update; the loop stops at the K-th.
       self.tx = optax.apply_if_finite(self.tx, max_consecutive_errors=config.skip_nonfinite)
-    # Stochastic-rounding bits are a pure function of (seed, step), like the
-    # batches, so a resumed run rounds exactly as an uninterrupted one.
-    self.rounding_key = jax.random.fold_in(jax.random.key(config.seed), 0x5352)
     train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx,
                                           stochastic_rounding=config.stochastic_rounding)
-    self.spmd = None
     if config.mesh:  # the same steps, sharded over a device mesh
       mesh = mesh_lib.make_mesh(**mesh_lib.parse_mesh(config.mesh))
       self.spmd = mesh_lib.spmd_steps(mesh, self.tx, self.initial_params, train_step,
@@ -109,9 +113,28 @@ class Run:
       self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
       self.eval_step = jax.jit(eval_step)
 
+  def _build_update_in_backward(self) -> None:
+    """The per-slice optimizer and the update-in-backward train step."""
+    config = self.config
+    self.tx = optimizers.make_optimizer(
+        config.optimizer, learning_rate=self.schedule,
+        axes=update_in_backward.slice_axes(self.axes), weight_decay=config.weight_decay,
+        clip_norm=0, skewadam_tiers=config.skewadam_tiers())
+    update_in_backward.check_separable(self.tx, self.initial_params)
+    train_step = update_in_backward.make_train_step(
+        self.graphdef, self.rest, self.tx, clip_norm=config.clip_norm,
+        clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
+        stochastic_rounding=config.stochastic_rounding)
+    _, eval_step = make_step_fns(self.graphdef, self.rest, self.tx)
+    self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
+    self.eval_step = jax.jit(eval_step)
+
   def init_state(self):
     if self.spmd is not None:
       return self.spmd.init(self.initial_params)
+    if self.config.update_in_backward:
+      params = jax.tree.map(jnp.copy, self.initial_params)
+      return params, update_in_backward.init(self.tx, params)
     params = jax.tree.map(jnp.copy, self.initial_params)
     return params, self.tx.init(params)
 

@@ -45,6 +45,8 @@ from models.transformer import (
     count_params,
     chunked_cross_entropy,
     lm_loss,
+    loss_from_features,
+    mean_aux,
     token_cross_entropy,
     param_shapes,
     rope_tables,
@@ -56,6 +58,7 @@ __all__ = [
     'experts_blocked', 'experts_dense', 'experts_ragged',
     'load_balancing_loss', 'route', 'router_z_loss',
     'Attention', 'Block', 'RMSNorm', 'Transformer', 'apply_rope',
-    'chunked_cross_entropy', 'count_params', 'lm_loss', 'token_cross_entropy', 'param_shapes',
+    'chunked_cross_entropy', 'count_params', 'lm_loss', 'loss_from_features', 'mean_aux',
+    'token_cross_entropy', 'param_shapes',
     'rope_tables',
 ]

@@ -154,30 +154,31 @@ class Transformer(nnx.Module):
         kernel_init=axes.partitioned(nnx.initializers.lecun_normal(),
                                      axes.EMBED, axes.VOCAB))
 
+  def embed_tokens(self, tokens_BT: Array) -> Array:
+    """Token embeddings ``x_BTD`` in the compute dtype (the layer stack's input)."""
+    return self.embed(tokens_BT).astype(self.config.compute_dtype)
+
+  def rope(self, seq_len: int) -> tuple[Array, Array]:
+    """The rotary tables ``(sin_TK, cos_TK)`` every block takes, for ``seq_len`` tokens."""
+    cfg = self.config
+    if seq_len > cfg.max_seq_len:
+      raise ValueError(
+          f'sequence length {seq_len} exceeds max_seq_len={cfg.max_seq_len}')
+    return rope_tables(seq_len, cfg.head_dim, cfg.rope_theta)
+
   def features(self, tokens_BT: Array) -> tuple[Array, dict[str, Array]]:
     """Final-normed hidden states ``x_BTD`` (before the unembedding) and aux.
 
     See ``__call__`` for ``aux``.
     """
-    cfg = self.config
-    T = tokens_BT.shape[-1]
-    if T > cfg.max_seq_len:
-      raise ValueError(
-          f'sequence length {T} exceeds max_seq_len={cfg.max_seq_len}')
-    sin_TK, cos_TK = rope_tables(T, cfg.head_dim, cfg.rope_theta)
-    x_BTD = self.embed(tokens_BT).astype(cfg.compute_dtype)
-
-    step = nnx.remat(_block_step) if cfg.remat else _block_step
+    sin_TK, cos_TK = self.rope(tokens_BT.shape[-1])
+    x_BTD = self.embed_tokens(tokens_BT)
+    step = nnx.remat(_block_step) if self.config.remat else _block_step
     x_BTD, aux_L = nnx.scan(
         step, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0),
         transform_metadata=_LAYER_AXIS,
     )(x_BTD, self.layers, sin_TK, cos_TK)
-    aux = {
-        'lb_loss': jnp.mean(aux_L['lb_loss']),
-        'z_loss': jnp.mean(aux_L['z_loss']),
-        'expert_fraction': aux_L['expert_fraction'],
-    }
-    return self.final_norm(x_BTD), aux
+    return self.final_norm(x_BTD), mean_aux(aux_L)
 
   def __call__(self, tokens_BT: Array) -> tuple[Array, dict[str, Array]]:
     """Runs the model.
@@ -229,6 +230,19 @@ def chunked_cross_entropy(kernel_DV: Array, x_BTD: Array, targets_BT: Array,
   return ce_CK.reshape(-1)[:n].reshape(B, T)
 
 
+def mean_aux(aux_L: dict[str, Array]) -> dict[str, Array]:
+  """The blocks' ``aux`` (leading layer axis) as the model reports it.
+
+  ``lb_loss`` and ``z_loss`` are averaged over layers (so their scale and the
+  coefficients do not depend on depth); ``expert_fraction`` stays ``[L, E]``.
+  """
+  return {
+      'lb_loss': jnp.mean(aux_L['lb_loss']),
+      'z_loss': jnp.mean(aux_L['z_loss']),
+      'expert_fraction': aux_L['expert_fraction'],
+  }
+
+
 def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
             weights_BT: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """Next-token cross-entropy plus the weighted router losses.
@@ -246,10 +260,21 @@ def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
     ``(loss, metrics)`` with float32 scalars ``loss``, ``ce_loss``,
     ``lb_loss``, ``z_loss`` and ``expert_fraction`` [L, E].
   """
-  cfg = model.config
   x_BTD, aux = model.features(tokens_BT)
+  return loss_from_features(model, x_BTD, aux, targets_BT, weights_BT)
+
+
+def loss_from_features(model: Transformer, x_BTD: Array, aux: dict[str, Array],
+                       targets_BT: Array, weights_BT: Array | None = None
+                       ) -> tuple[Array, dict[str, Array]]:
+  """:func:`lm_loss` from the final-normed features and the averaged ``aux``.
+
+  Uses only the unembedding of ``model``: a train step that runs the layer
+  stack itself (``experiments.update_in_backward``) ends with it.
+  """
+  cfg = model.config
   kernel_DV = model.unembed.kernel[...]
-  if cfg.loss_chunk_size and tokens_BT.size > cfg.loss_chunk_size:
+  if cfg.loss_chunk_size and targets_BT.size > cfg.loss_chunk_size:
     ce_BT = chunked_cross_entropy(kernel_DV, x_BTD, targets_BT, cfg.loss_chunk_size,
                                   cfg.compute_dtype)
   else:

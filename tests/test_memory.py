@@ -4,6 +4,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import skewadam_jax
@@ -96,10 +97,13 @@ def test_bad_arguments_fail_with_one_line(capsys):
   assert "unknown optimizer 'sgd'" in err and "unknown target 'tpu-v9'" in err
 
 
-def test_gpu_check_phase_runs_tiny_steps_on_any_device():
+@pytest.mark.parametrize("update_in_backward", [False, True])
+def test_gpu_check_phase_runs_tiny_steps_on_any_device(update_in_backward):
   from experiments import gpu_check
-  result = gpu_check.run_phase("tiny", "skewadam", batch=1, seq=16, steps=2)
-  assert result["status"] == "ok" and len(result["step_seconds"]) == 2
+  result = gpu_check.run_phase("tiny", "skewadam", batch=1, seq=16, steps=2,
+                               update_in_backward=update_in_backward)
+  assert result["status"] == "ok", result.get("error")
+  assert len(result["step_seconds"]) == 2 and np.isfinite(result["loss"])
 
 
 def test_tier_flags_become_skewadam_tier_configs():
