@@ -7,11 +7,16 @@ A library plus thin commands. The library modules (``config``, ``steps``,
 command; the commands (``python -m experiments.NAME`` for ``train``,
 ``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,
 ``state_bytes``) are short ``main()`` s over them. Nothing here changes the
-environment on import: a command chooses its platform in ``main``.
+environment on import, except on a machine with JAX's CUDA plugin and no GPU:
+there JAX starts on the CPU without the plugin's start-up noise
+(:mod:`skewadam_jax.startup`).
 """
 
-import importlib.util
 import os
+
+# Quiet JAX start on a machine with the CUDA plugin and no GPU (before any
+# experiments module imports JAX); a no-op anywhere else.
+from skewadam_jax import startup
 
 
 def use_cpu_without_gpu() -> None:
@@ -20,19 +25,12 @@ def use_cpu_without_gpu() -> None:
   The ``gpu-compile`` extra installs JAX's CUDA plugin for deviceless XLA:GPU
   compilation; on a machine without a GPU, JAX would otherwise try to start it
   and print a long CUDA error before falling back to the CPU. An explicit
-  ``JAX_PLATFORMS`` always wins, and machines with a TPU runtime are left alone.
-  Every command calls it first thing in ``main``, before JAX starts a
-  backend; importing the package changes nothing.
+  ``JAX_PLATFORMS`` always wins, and machines with a TPU runtime are left
+  alone (:func:`skewadam_jax.startup.cuda_plugin_without_gpu`). Importing
+  this package already does it, quietly, when JAX is not imported yet; every
+  command also calls it first thing in ``main``.
   """
-  if "JAX_PLATFORMS" in os.environ:
-    return
-  try:
-    has_cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # no jax_plugins package at all
-    has_cuda_plugin = False
-  has_nvidia_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
-  has_tpu = importlib.util.find_spec("libtpu") is not None
-  if has_cuda_plugin and not has_nvidia_gpu and not has_tpu:
+  if "JAX_PLATFORMS" not in os.environ and startup.cuda_plugin_without_gpu():
     use_platforms("cpu")
 
 

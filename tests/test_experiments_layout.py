@@ -123,3 +123,24 @@ def test_commands_choose_the_cpu_quietly_without_a_gpu():
   if not has_gpu:
     assert done.stdout.strip() == "cpu"
     assert "Unable to load CUDA" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _stderr_of(args):
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True,
+                        capture_output=True, text=True).stderr
+
+
+def test_the_library_and_the_commands_start_jax_silently():
+  # With the gpu-compile extra (JAX's CUDA plugin) on a machine without a GPU,
+  # JAX alone prints absl/cudart_stub lines and a plugin traceback here.
+  assert _stderr_of(["-c", "import skewadam_jax, jax; jax.numpy.zeros(1)"]) == ""
+  assert _stderr_of(["-m", "experiments.train", "--help"]) == ""
+
+
+def test_filtered_stderr_drops_only_the_known_lines(capfd):
+  from skewadam_jax import startup  # pylint: disable=import-outside-toplevel
+  with startup.filtered_stderr(startup.CUDA_PLUGIN_NOISE):
+    os.write(2, b"I0000 00:00:1.0 1 cudart_stub.cc:31] Could not find cuda drivers on "
+                b"your machine, GPU will not be used.\nkept from C++\n")
+  assert capfd.readouterr().err == "kept from C++\n"
