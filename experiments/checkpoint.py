@@ -171,7 +171,12 @@ class Checkpointer:
           f"{self.latest_step()}")
     self.manager.wait_until_finished()
 
-  def _read_meta(self, step: int) -> dict:
+  def read_meta(self, step: int) -> dict:
+    """The metadata saved with ``step`` (``config``, ``data_fingerprint``, ...).
+
+    Raises:
+      CorruptCheckpointError: it cannot be read.
+    """
     try:
       meta = self.manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
@@ -205,7 +210,7 @@ class Checkpointer:
         data or state structure differ (the message names the difference).
       CorruptCheckpointError: the checkpoint is damaged.
     """
-    meta = self._read_meta(step)
+    meta = self.read_meta(step)
     where = f"checkpoint at step {step} in {self.directory}"
     if expect is not None:
       saved = meta.get("config", {})

@@ -73,6 +73,8 @@ class TrainConfig:
   eval_batches: int = setting(16, "validation batches per evaluation", structural=False)
   ckpt_every: int = setting(100, "checkpoint every this many steps", structural=False)
   log_every: int = setting(10, "log metrics every this many steps", structural=False)
+  sample_tokens: int = setting(48, "tokens of text sampled at each evaluation, logged "
+                               "and in TensorBoard (0: none)", structural=False)
   moe_impl: str | None = setting(None, "dropless expert lowering (default: the "
                                  "preset's)", structural=True,
                                  choices=tuple(models.MOE_IMPLS), kind=str)
@@ -141,6 +143,8 @@ class TrainConfig:
       raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
     if not 0 < self.val_fraction < 1:
       raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+    if self.sample_tokens < 0:
+      raise ValueError(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
     for name in ("steps", "batch_size", "eval_batches", "eval_every",
                  "ckpt_every", "log_every"):
       if getattr(self, name) < 1:

@@ -29,9 +29,11 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
   ``stochastic_rounding`` the update is applied by
   :func:`skewadam_jax.apply_updates_stochastic` and ``key`` (a PRNG key,
   a new one every step) is required. ``grad_scale`` is fault injection for
-  tests: the gradients are multiplied by it (NaN poisons the step). When
-  ``tx`` is ``optax.apply_if_finite(...)`` the metrics also hold its
-  ``notfinite_count`` and ``total_notfinite``.
+  tests: the gradients are multiplied by it (NaN poisons the step). The
+  metrics are :func:`models.lm_loss`'s (scalars and the per-layer
+  ``models.ROUTING_METRICS``) and ``grad_norm``; when ``tx`` is
+  ``optax.apply_if_finite(...)`` they also hold its ``notfinite_count`` and
+  ``total_notfinite``.
   ``eval_step(params, inputs, targets) -> (sum of token cross-entropies,
   token count)``.
   """
@@ -49,7 +51,6 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
       params = skewadam_jax.apply_updates_stochastic(params, updates, key)
     else:
       params = optax.apply_updates(params, updates)
-    metrics = {k: v for k, v in metrics.items() if k != "expert_fraction"}
     metrics["grad_norm"] = optax.tree.norm(grads)
     if isinstance(opt_state, optax.ApplyIfFiniteState):
       metrics["notfinite_count"] = opt_state.notfinite_count

@@ -29,12 +29,19 @@ import models
 import skewadam_jax
 from experiments import data as data_lib
 from experiments import mesh as mesh_lib
+from experiments import monitoring
 from experiments import optimizers
+from experiments import sampling
 from experiments import update_in_backward
 from experiments.checkpoint import Checkpointer
 from experiments.config import TrainConfig
 from experiments.metrics_log import MetricsLog, read_metrics, write_atomically
 from experiments.steps import make_step_fns
+
+
+SAMPLE_PROMPT_TOKENS = 16  # the evaluation samples continue the validation text's start
+SAMPLE_LOG_CHARS = 200  # of each sample, in metrics.jsonl
+TRAIN_SCALARS = ("loss", "ce_loss", "lb_loss", "z_loss", "grad_norm")  # to TensorBoard
 
 
 class TrainingError(RuntimeError):
@@ -84,26 +91,23 @@ class Run:
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
     self.axes = models.logical_axes(params)
     self.initial_params = nnx.as_pure(params)
-    lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
-    self.schedule = optimizers.lr_schedule(lr, config.steps, config.warmup_steps)
+    self.schedule = learning_rate_schedule(config)
     # Stochastic-rounding bits are a pure function of (seed, step), like the
     # batches, so a resumed run rounds exactly as an uninterrupted one.
     self.rounding_key = jax.random.fold_in(jax.random.key(config.seed), 0x5352)
     self.spmd = None
+    self._next_token = None  # the sampler, compiled at the first evaluation
+    self.tx = make_train_tx(config, self.axes, self.schedule)
     if config.update_in_backward:
-      self._build_update_in_backward()
-      return
-    self.tx = optimizers.make_optimizer(
-        config.optimizer, learning_rate=self.schedule, axes=self.axes,
-        weight_decay=config.weight_decay, clip_norm=config.clip_norm,
-        skewadam_tiers=config.skewadam_tiers())
-    if config.skip_nonfinite:
-      # Outermost, so a skipped step leaves every inner state untouched
-      # (moments, step count, schedule): as if the batch had not been drawn.
-      # optax applies the (K+1)-th bad update; the loop stops at the K-th.
-      self.tx = optax.apply_if_finite(self.tx, max_consecutive_errors=config.skip_nonfinite)
-    train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx,
-                                          stochastic_rounding=config.stochastic_rounding)
+      update_in_backward.check_separable(self.tx, self.initial_params)
+      train_step = update_in_backward.make_train_step(
+          self.graphdef, self.rest, self.tx, clip_norm=config.clip_norm,
+          clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
+          stochastic_rounding=config.stochastic_rounding)
+      _, eval_step = make_step_fns(self.graphdef, self.rest, self.tx)
+    else:
+      train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx,
+                                            stochastic_rounding=config.stochastic_rounding)
     if config.mesh:  # the same steps, sharded over a device mesh
       mesh = mesh_lib.make_mesh(**mesh_lib.parse_mesh(config.mesh))
       self.spmd = mesh_lib.spmd_steps(mesh, self.tx, self.initial_params, train_step,
@@ -113,30 +117,24 @@ class Run:
       self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
       self.eval_step = jax.jit(eval_step)
 
-  def _build_update_in_backward(self) -> None:
-    """The per-slice optimizer and the update-in-backward train step."""
-    config = self.config
-    self.tx = optimizers.make_optimizer(
-        config.optimizer, learning_rate=self.schedule,
-        axes=update_in_backward.slice_axes(self.axes), weight_decay=config.weight_decay,
-        clip_norm=0, skewadam_tiers=config.skewadam_tiers())
-    update_in_backward.check_separable(self.tx, self.initial_params)
-    train_step = update_in_backward.make_train_step(
-        self.graphdef, self.rest, self.tx, clip_norm=config.clip_norm,
-        clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
-        stochastic_rounding=config.stochastic_rounding)
-    _, eval_step = make_step_fns(self.graphdef, self.rest, self.tx)
-    self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
-    self.eval_step = jax.jit(eval_step)
-
   def init_state(self):
     if self.spmd is not None:
       return self.spmd.init(self.initial_params)
-    if self.config.update_in_backward:
-      params = jax.tree.map(jnp.copy, self.initial_params)
-      return params, update_in_backward.init(self.tx, params)
     params = jax.tree.map(jnp.copy, self.initial_params)
-    return params, self.tx.init(params)
+    return params, init_opt_state(self.config, self.tx, params)
+
+  def sample(self, params, step: int) -> str:
+    """A continuation of the validation text's first tokens (``sample_tokens`` of them).
+
+    Sampled at temperature 1 with top-k 40 and a key from ``(seed, step)``;
+    the full recompute per token is :mod:`experiments.sampling`'s.
+    """
+    if self._next_token is None:
+      self._next_token = sampling.make_next_token(self.graphdef, self.rest, top_k=40)
+    prompt = self.data.val_tokens[:SAMPLE_PROMPT_TOKENS]
+    ids = sampling.generate(self._next_token, params, prompt, self.config.sample_tokens,
+                            window=self.seq_len, seed=self.config.seed * 1_000_003 + step)
+    return self.data.tokenizer.decode(list(prompt) + ids)
 
   def evaluate(self, params) -> float:
     """Validation perplexity: exp of the mean next-token cross-entropy."""
@@ -146,6 +144,55 @@ class Run:
       total += float(ce_sum)
       count += int(n)
     return math.exp(total / count)
+
+
+def learning_rate_schedule(config: TrainConfig):
+  """The run's schedule: warmup, then cosine decay from ``--lr`` (or the optimizer's default)."""
+  lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
+  return optimizers.lr_schedule(lr, config.steps, config.warmup_steps)
+
+
+def make_train_tx(config: TrainConfig, axes, schedule) -> optax.GradientTransformation:
+  """The optimizer exactly as the run applies it.
+
+  The standard step: the optimizer with its global-norm clipping, wrapped in
+  ``optax.apply_if_finite`` for ``--skip-nonfinite``. With
+  ``--update-in-backward``: the per-slice optimizer (built for
+  :func:`update_in_backward.slice_axes`; the step clips and skips itself).
+  """
+  if config.update_in_backward:
+    return optimizers.make_optimizer(
+        config.optimizer, learning_rate=schedule, axes=update_in_backward.slice_axes(axes),
+        weight_decay=config.weight_decay, clip_norm=0, skewadam_tiers=config.skewadam_tiers())
+  tx = optimizers.make_optimizer(
+      config.optimizer, learning_rate=schedule, axes=axes, weight_decay=config.weight_decay,
+      clip_norm=config.clip_norm, skewadam_tiers=config.skewadam_tiers())
+  if config.skip_nonfinite:
+    # Outermost, so a skipped step leaves every inner state untouched
+    # (moments, step count, schedule): as if the batch had not been drawn.
+    # optax applies the (K+1)-th bad update; the loop stops at the K-th.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=config.skip_nonfinite)
+  return tx
+
+
+def init_opt_state(config: TrainConfig, tx, params):
+  """The optimizer state the run's train step takes."""
+  if config.update_in_backward:
+    return update_in_backward.init(tx, params)
+  return tx.init(params)
+
+
+def abstract_run_state(config: TrainConfig):
+  """``(graphdef, rest, params, opt_state)`` of a run, shapes only: what its
+  checkpoints restore onto (e.g. to sample from one), with no data read."""
+  model_config = config.model_config()
+  model = nnx.eval_shape(lambda: models.Transformer(model_config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  axes = models.logical_axes(params)
+  params = nnx.as_pure(params)
+  tx = make_train_tx(config, axes, learning_rate_schedule(config))
+  return graphdef, nnx.as_pure(rest), params, jax.eval_shape(
+      lambda p: init_opt_state(config, tx, p), params)
 
 
 def _summary_bytes(state) -> dict[str, int]:
@@ -245,6 +292,23 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
   log = MetricsLog(metrics_path if is_chief else None, tokens_per_step=tokens_per_step,
                    progress=progress and is_chief, total=config.steps, initial=start,
                    desc=config.optimizer)
+  board = monitoring.TensorBoardLog(out / "tensorboard") if is_chief else None
+  if is_chief:  # what experiments.sample needs to turn ids back into text
+    run.data.tokenizer.save(str(out / "tokenizer.json"))
+  routing: dict = {}  # the last logged step's per-layer routing metrics
+
+  def evaluate_and_log(done: int, params) -> float:
+    """Validation perplexity and a text sample, logged and in TensorBoard."""
+    ppl = run.evaluate(params)
+    log.write({"step": done, "tokens": done * tokens_per_step, "val_ppl": ppl})
+    sample = run.sample(params, done) if config.sample_tokens else None
+    if sample is not None:
+      log.write({"step": done, "sample": sample[:SAMPLE_LOG_CHARS]})
+    if board is not None:
+      board.scalars(done, {"val/loss": math.log(ppl), "val/perplexity": ppl})
+      if sample is not None:
+        board.text(done, "sample", sample)
+    return ppl
 
   def read(done: int, metrics) -> None:
     """Checks and logs step ``done``'s metrics (a host sync only where needed)."""
@@ -263,7 +327,9 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
             f"{last_checkpoint()}")
     if done % config.log_every and done != end:
       return
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    host = jax.device_get(metrics)
+    step_routing = {k: host.pop(k) for k in models.ROUTING_METRICS if k in host}
+    values = {k: float(v) for k, v in host.items()}
     if skip:
       values.pop("notfinite_count")
       values["nonfinite_skips"] = int(values.pop("total_notfinite"))
@@ -274,7 +340,24 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
           "(--skip-nonfinite K skips steps with non-finite gradients)")
     # Skipped steps do not advance the optimizer's schedule count.
     lr_step = done - 1 - values.get("nonfinite_skips", 0)
-    log.record_step(done, float(run.schedule(lr_step)), values)
+    lr = float(run.schedule(lr_step))
+    health = {}
+    if step_routing:
+      routing.update(step_routing, step=done)
+      health = monitoring.routing_health(step_routing["expert_fraction"],
+                                         step_routing["lb_loss_by_layer"],
+                                         step_routing["z_loss_by_layer"])
+      values["max_mean_load"] = health["routing/max_mean_load"]
+      values["starved_fraction"] = health["routing/starved_fraction"]
+    log.record_step(done, lr, values)
+    if board is not None:
+      scalars = {f"train/{k}": v for k, v in values.items() if k in TRAIN_SCALARS}
+      if "ce_loss" in values:
+        scalars["train/perplexity"] = math.exp(min(values["ce_loss"], 50.0))
+      board.scalars(done, {
+          **scalars, "train/learning_rate": lr,
+          "train/tokens_per_s": log.tokens_per_s() or 0.0,
+          "train/skipped_steps": values.get("nonfinite_skips", 0), **health})
 
   pending = None  # (step, metrics) dispatched but not yet read
   try:
@@ -296,8 +379,7 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
         read(*pending)
         pending = None
       if evaluate:
-        log.write({"step": done, "tokens": done * tokens_per_step,
-                   "val_ppl": run.evaluate(params)})
+        evaluate_and_log(done, params)
         log.pause_timer()  # evaluation time is not training time
       if save:
         if not bool(_all_finite(params)):  # never replace a good checkpoint by a NaN one
@@ -323,12 +405,17 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
         "config": config_dict,
     }
     if end == config.steps:
-      summary["val_ppl"] = run.evaluate(params)
-      log.write({"step": end, "tokens": end * tokens_per_step, "val_ppl": summary["val_ppl"]})
+      summary["val_ppl"] = evaluate_and_log(end, params)
       if is_chief:
         write_atomically(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if is_chief and routing:
+      monitoring.save_load_heatmap(
+          routing["expert_fraction"], out / "expert_load.png",
+          title=f"expert load at step {routing['step']} (1 = fair share)")
   finally:
     log.close()
+    if board is not None:
+      board.close()
   summary["_params"] = params
   summary["_opt_state"] = opt_state
   return summary

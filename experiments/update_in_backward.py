@@ -388,7 +388,6 @@ def make_train_step(graphdef, rest, tx: optax.GradientTransformation, *,
         layers=layer_states, outer=outer_state, grad_norm=grad_norm,
         notfinite_count=notfinite_count, last_finite=finite,
         total_notfinite=total_notfinite)
-    metrics = {k: v for k, v in metrics.items() if k != "expert_fraction"}
     metrics["grad_norm"] = grad_norm
     if skip_nonfinite:
       metrics["notfinite_count"] = notfinite_count

@@ -47,6 +47,7 @@ from models.transformer import (
     lm_loss,
     loss_from_features,
     mean_aux,
+    ROUTING_METRICS,
     token_cross_entropy,
     param_shapes,
     rope_tables,
@@ -59,6 +60,7 @@ __all__ = [
     'load_balancing_loss', 'route', 'router_z_loss',
     'Attention', 'Block', 'RMSNorm', 'Transformer', 'apply_rope',
     'chunked_cross_entropy', 'count_params', 'lm_loss', 'loss_from_features', 'mean_aux',
+    'ROUTING_METRICS',
     'token_cross_entropy', 'param_shapes',
     'rope_tables',
 ]

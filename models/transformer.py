@@ -234,13 +234,21 @@ def mean_aux(aux_L: dict[str, Array]) -> dict[str, Array]:
   """The blocks' ``aux`` (leading layer axis) as the model reports it.
 
   ``lb_loss`` and ``z_loss`` are averaged over layers (so their scale and the
-  coefficients do not depend on depth); ``expert_fraction`` stays ``[L, E]``.
+  coefficients do not depend on depth); for monitoring the routing of each
+  layer, ``expert_fraction`` stays ``[L, E]`` and ``lb_loss_by_layer``,
+  ``z_loss_by_layer`` are ``[L]`` (:data:`ROUTING_METRICS`).
   """
   return {
       'lb_loss': jnp.mean(aux_L['lb_loss']),
       'z_loss': jnp.mean(aux_L['z_loss']),
       'expert_fraction': aux_L['expert_fraction'],
+      'lb_loss_by_layer': aux_L['lb_loss'],
+      'z_loss_by_layer': aux_L['z_loss'],
   }
+
+
+# The per-layer (non-scalar) entries of the model's metrics.
+ROUTING_METRICS = ('expert_fraction', 'lb_loss_by_layer', 'z_loss_by_layer')
 
 
 def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
@@ -258,7 +266,8 @@ def lm_loss(model: Transformer, tokens_BT: Array, targets_BT: Array,
 
   Returns:
     ``(loss, metrics)`` with float32 scalars ``loss``, ``ce_loss``,
-    ``lb_loss``, ``z_loss`` and ``expert_fraction`` [L, E].
+    ``lb_loss``, ``z_loss``, and the per-layer :data:`ROUTING_METRICS`
+    (``expert_fraction`` [L, E], ``lb_loss_by_layer`` and ``z_loss_by_layer`` [L]).
   """
   x_BTD, aux = model.features(tokens_BT)
   return loss_from_features(model, x_BTD, aux, targets_BT, weights_BT)

@@ -28,7 +28,8 @@ def import_graph() -> dict[str, set[str]]:
   return graph
 
 
-COMMANDS = {"train", "compare", "memory", "bench", "parallel", "state_bytes", "gpu_check"}
+COMMANDS = {"train", "compare", "memory", "bench", "parallel", "state_bytes", "gpu_check",
+            "sample"}
 
 
 def private_uses() -> list[str]:

@@ -43,7 +43,8 @@ class StubRun:
     self.bad_steps = set(bad_steps)
     self.data_fingerprint = "stub"
     self.data = types.SimpleNamespace(
-        info={"unigram_val_perplexity": 1.0, "val_names": []}, vocab_size=4)
+        info={"unigram_val_perplexity": 1.0, "val_names": []}, vocab_size=4,
+        tokenizer=types.SimpleNamespace(save=lambda path: None))
     self.dataset = types.SimpleNamespace(batch_at=lambda step: (step, step))
     self.rounding_key = None
     self.schedule = optax.constant_schedule(0.5)
@@ -68,6 +69,10 @@ class StubRun:
   def evaluate(self, params):
     self.events.append(("evaluate", None))
     return 2.0
+
+  def sample(self, params, step):
+    self.events.append(("sample", step))
+    return "stub text"
 
 
 def reads_before_dispatch(events):
