@@ -164,7 +164,11 @@ class TrainConfig:
       raise ValueError(f"--seed must be >= 0, got {self.seed}")
     skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
     if self.mesh:
-      mesh_lib.parse_mesh(self.mesh)
+      sizes = mesh_lib.parse_mesh(self.mesh)
+      shards = sizes.get("data", 1) * sizes.get("expert", 1)
+      if self.model_config().moe_impl == "expert_parallel" and self.batch_size % shards:
+        raise ValueError(f"--batch-size {self.batch_size} must divide by data x expert "
+                         f"= {shards}: expert parallelism splits the batch over both")
     if self.clip_mode not in ("exact", "stale"):
       raise ValueError(f"--clip-mode must be exact or stale, got {self.clip_mode!r}")
     if self.update_in_backward:

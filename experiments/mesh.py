@@ -22,10 +22,14 @@ over ``expert`` (no expert weights move). The ``"ragged"`` and ``"blocked"``
 lowerings pick experts by dynamic index, which the partitioner serves by
 all-gathering one layer's expert bank at a time inside the layer scan:
 parameters, gradients and optimizer state stay sharded, but the expert
-compute is then data-parallel (token dispatch with all-to-all under
-``shard_map`` would be needed for expert-parallel compute there). The batch is
-not split over ``expert``: devices that share a data shard repeat the dense
-(attention) work, which keeps the expert layer free of all-to-alls.
+compute is then data-parallel, and the batch is not split over ``expert``
+(devices that share a data shard repeat the dense work). With
+``moe_impl="expert_parallel"`` (``models/expert_parallel.py``,
+``expert_parallel=True`` here) the tokens travel instead: the batch is split
+over ``data`` and ``expert``, each MoE layer sends every token to the devices
+holding its experts with ``all_to_all`` under ``shard_map`` and back, and no
+expert bank is gathered. The steps are traced with the mesh as the context
+mesh for that ``shard_map``.
 
 The train step is compiled with explicit ``in_shardings``/``out_shardings`` and
 donated parameters and state, so each device keeps only its shards from one
@@ -180,14 +184,15 @@ def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Token batches ``[B, T]``: ``B`` split over ``data``, the rest replicated.
+def batch_sharding(mesh: Mesh, *, expert_parallel: bool = False) -> NamedSharding:
+  """Token batches ``[B, T]``: ``B`` split over ``data`` (and ``expert`` with
+  expert parallelism, so no device repeats another's dense work).
 
   Example:
     >>> batch_sharding(make_mesh(devices=jax.devices()[:1])).spec
     P('data',)
   """
-  return NamedSharding(mesh, P(DATA))
+  return NamedSharding(mesh, P((DATA, EXPERT) if expert_parallel else DATA))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +215,11 @@ class TrainShardings:
 
 
 def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
-                    fsdp: bool = False) -> TrainShardings:
+                    fsdp: bool = False, expert_parallel: bool = False) -> TrainShardings:
   """All the train step's shardings for optimizer ``tx`` (nothing allocated).
 
-  ``axes`` and ``fsdp`` as in :func:`param_shardings`.
+  ``axes`` and ``fsdp`` as in :func:`param_shardings`; ``expert_parallel``
+  as in :func:`batch_sharding`.
 
   Example:
     >>> import optax
@@ -227,7 +233,8 @@ def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
   return TrainShardings(
       mesh=mesh, params=shardings,
       opt_state=skewadam_jax.state_shardings(tx, params, shardings),
-      batch=batch_sharding(mesh), replicated=NamedSharding(mesh, P()))
+      batch=batch_sharding(mesh, expert_parallel=expert_parallel),
+      replicated=NamedSharding(mesh, P()))
 
 
 def put(tree, shardings):
@@ -304,7 +311,10 @@ def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
   s = shardings
 
   def step(params, opt_state, inputs, targets, kwargs):
-    return train_step(params, opt_state, inputs, targets, **kwargs)
+    # The mesh is the context while tracing: the expert-parallel MoE layer
+    # (models/expert_parallel.py) runs its shard_map on it.
+    with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
+      return train_step(params, opt_state, inputs, targets, **kwargs)
 
   return jax.jit(step,
                  in_shardings=(s.params, s.opt_state, s.batch, s.batch, s.replicated),
@@ -315,8 +325,11 @@ def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
 def sharded_eval_step(eval_step: Callable, shardings: TrainShardings) -> Callable:
   """Compiles ``eval_step(params, inputs, targets)`` with replicated outputs."""
   s = shardings
-  return jax.jit(eval_step, in_shardings=(s.params, s.batch, s.batch),
-                 out_shardings=s.replicated)
+
+  def step(params, inputs, targets):
+    with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
+      return eval_step(params, inputs, targets)
+  return jax.jit(step, in_shardings=(s.params, s.batch, s.batch), out_shardings=s.replicated)
 
 
 class SpmdSteps(NamedTuple):
@@ -339,7 +352,7 @@ class SpmdSteps(NamedTuple):
 
 def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
                eval_step: Callable | None = None, *, axes: Mapping[str, tuple],
-               fsdp: bool = False) -> SpmdSteps:
+               fsdp: bool = False, expert_parallel: bool = False) -> SpmdSteps:
   """Shardings and compiled steps of one run on ``mesh``.
 
   Args:
@@ -348,8 +361,11 @@ def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
     params: the parameters (or ``ShapeDtypeStruct`` s).
     train_step, eval_step: as returned by ``experiments.steps.make_step_fns``.
     axes, fsdp: see :func:`param_shardings`.
+    expert_parallel: the model's ``moe_impl`` is ``'expert_parallel'``: the
+      batch is split over ``data`` and ``expert`` (:func:`batch_sharding`).
   """
-  s = train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp)
+  s = train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp,
+                      expert_parallel=expert_parallel)
   init_state = sharded_init(tx, s)
   step = sharded_train_step(train_step, s)
 

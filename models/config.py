@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-MOE_IMPLS = ('dense', 'ragged', 'blocked')
+MOE_IMPLS = ('dense', 'ragged', 'blocked', 'expert_parallel')
 ATTENTION_IMPLS = (None, 'xla', 'cudnn')
 
 
@@ -44,8 +44,12 @@ class ModelConfig:
       lowers it densely, see MEMORY-NOTES); ``'blocked'`` pads each expert's
       group to ``moe_block_size`` rows and scans over blocks, gathering one
       expert's weights per block (bounded memory on GPU, and the fastest of
-      the three on CPU for ``small``).
-    moe_block_size: Rows per block for ``moe_impl='blocked'``.
+      the three on CPU for ``small``); ``'expert_parallel'`` sends each token
+      to the devices that hold its experts with ``all_to_all`` on a mesh with
+      an ``expert`` axis, computing each expert where it lives
+      (``models/expert_parallel.py``; locally without such a mesh).
+    moe_block_size: Rows per block for ``moe_impl='blocked'`` and
+      ``'expert_parallel'``.
     lb_loss_coef: Weight of the Switch/GShard load-balancing loss.
     z_loss_coef: Weight of the ST-MoE router z-loss.
     remat: Rematerialise each layer in the backward pass (``nnx.remat``).

@@ -36,6 +36,7 @@ from flax import nnx
 
 from models.axes import EMBED, EXPERTS, MLP, param_with_axes
 from models.config import ModelConfig
+from models.expert_parallel import block_layout, experts_expert_parallel
 
 # Router in full float32: on GPUs the default f32 matmul may use TF32.
 _ROUTER_PRECISION = jax.lax.Precision.HIGHEST
@@ -179,9 +180,8 @@ def experts_blocked(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *,
   num_blocks = n // block_size + num_experts
   order_N, token_N, group_sizes_E = _sort_by_expert(experts_TK, num_experts)
 
-  padded_sizes_E = -(-group_sizes_E // block_size) * block_size
-  padded_end_E = jnp.cumsum(padded_sizes_E)
-  padded_start_E = padded_end_E - padded_sizes_E
+  padded_start_E, _, block_expert_B = block_layout(
+      group_sizes_E, block_size, num_blocks)
   group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
   expert_N = experts_TK.reshape(-1)[order_N]
   # Row of the padded buffer that holds each sorted assignment.
@@ -190,10 +190,7 @@ def experts_blocked(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *,
   # Padding rows read token T: an appended zero row.
   src_P = jnp.full((num_blocks * block_size,), T, jnp.int32).at[row_N].set(token_N)
   x_PD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[src_P]
-  # Expert owning block b: the first e whose padded group ends after b's start.
   # Trailing all-padding blocks get E, clipped to any valid id.
-  block_expert_B = jnp.searchsorted(
-      padded_end_E, jnp.arange(num_blocks) * block_size, side='right')
   block_expert_B = jnp.minimum(block_expert_B, num_experts - 1)
 
   def block_ffn(carry, xs):
@@ -215,6 +212,7 @@ EXPERT_IMPLS: dict[str, Callable[..., jax.Array]] = {
     'dense': experts_dense,
     'ragged': experts_ragged,
     'blocked': experts_blocked,
+    'expert_parallel': experts_expert_parallel,
 }
 
 

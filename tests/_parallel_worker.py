@@ -135,6 +135,77 @@ def train_command(tmp: pathlib.Path) -> dict:
           "checkpoints": sorted(p.name for p in (tmp / "run" / "ckpt").iterdir())}
 
 
+def expert_parallel() -> dict:
+  """`tiny` with moe_impl='expert_parallel' on data=2 x expert=4 against one device."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from models import expert_parallel as ep  # pylint: disable=import-outside-toplevel
+  # The one-device reference uses the dense lowering: another way to the same sums.
+  ref_config = models.get_preset("tiny", compute_dtype="float32")
+  config = models.get_preset("tiny", compute_dtype="float32", moe_impl="expert_parallel",
+                             moe_block_size=8)
+  model = models.Transformer(config, rngs=nnx.Rngs(SEED))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  ref_graphdef = nnx.split(models.Transformer(ref_config, rngs=nnx.Rngs(SEED)), nnx.Param, ...)[0]
+  axes = models.logical_axes(params)
+  params = nnx.as_pure(params)
+  tx = optimizers.make_optimizer("adamw", learning_rate=LR, axes=axes)
+  batches = [parallel.synthetic_batch(s, BATCH, SEQ, config.vocab_size, SEED)
+             for s in range(3)]
+  ref_step = jax.jit(steps.make_step_fns(ref_graphdef, rest, tx)[0])
+  ref_params, ref_state = jax.tree.map(jnp.copy, params), tx.init(params)
+  ref_losses = []
+  for inputs, targets in batches:
+    ref_params, ref_state, metrics = ref_step(ref_params, ref_state, inputs, targets)
+    ref_losses.append(float(metrics["loss"]))
+
+  mesh = mesh_lib.make_mesh(data=2, expert=4)
+  train_step = steps.make_step_fns(graphdef, rest, tx)[0]
+  spmd = mesh_lib.spmd_steps(mesh, tx, params, train_step, axes=axes, expert_parallel=True)
+  sharded_params, state = spmd.init(params)
+  losses = []
+  for inputs, targets in batches:
+    sharded_params, state, metrics = spmd.train_step(sharded_params, state, inputs, targets)
+    losses.append(float(metrics["loss"]))
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                       sharded_params, ref_params)
+
+  s = spmd.shardings
+  hlo = mesh_lib.sharded_train_step(train_step, s).lower(
+      sharded_params, state, *mesh_lib.put(batches[0], (s.batch, s.batch)), {}
+  ).compile().as_text()
+  bank_dims = {(config.num_experts, config.d_model, config.d_ff),
+               (config.num_experts, config.d_ff, config.d_model)}
+  gathered = [line.strip()[:160] for line in hlo.splitlines() if " all-gather(" in line
+              and any(",".join(map(str, d)) in line for d in bank_dims)]
+
+  # Which rows each device receives: only its own experts' assignments.
+  inputs = batches[0][0]
+  x_TD = jnp.zeros((inputs.size, config.d_model), jnp.float32)
+  experts_TK = jnp.asarray(np.random.default_rng(1).integers(
+      0, config.num_experts, (inputs.size, config.top_k)), jnp.int32)
+  local = config.num_experts // 4
+
+  def received(x_TD, experts_TK):
+    _, recv_e, _, _ = ep.dispatch(x_TD, experts_TK, local_experts=local, num_devices=4)
+    return recv_e.reshape(1, -1)
+  with jax.set_mesh(mesh):
+    recv = jax.jit(jax.shard_map(received, in_specs=(P(("data", "expert")),) * 2,
+                                 out_specs=P(("data", "expert"))))(x_TD, experts_TK)
+  recv = np.asarray(recv)  # [8 devices, rows]
+  groups = np.asarray(experts_TK).reshape(2, -1)  # the two data shards' assignments
+  received_counts, wanted_counts = [], []
+  for device in range(8):
+    data_shard, expert_shard = divmod(device, 4)
+    real = recv[device][recv[device] < local]
+    received_counts.append(int(real.size))
+    wanted_counts.append(int(np.sum(groups[data_shard] // local == expert_shard)))
+  return {"losses": losses, "ref_losses": ref_losses,
+          "max_param_diff": max(jax.tree.leaves(diffs)),
+          "all_to_all": hlo.count(" all-to-all("), "bank_all_gathers": gathered,
+          "received_counts": received_counts, "wanted_counts": wanted_counts,
+          "batch_spec": [str(a) for a in s.batch.spec]}
+
+
 def main() -> None:
   assert jax.device_count() == 8, jax.devices()
   with tempfile.TemporaryDirectory() as tmp:
@@ -143,6 +214,7 @@ def main() -> None:
                             save_reference=sys.argv[1] if len(sys.argv) > 1 else None),
         "adamw_fsdp": compare("adamw", fsdp=True),
         "train": train_command(pathlib.Path(tmp)),
+        "expert_parallel": expert_parallel(),
     }
   print(json.dumps(result))
 
