@@ -468,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = TrainConfig(preset=args.preset, batch_size=args.batch_size, data=args.data,
                                  eval_every=budget["eval_every"],
                                  eval_batches=budget["eval_batches"], ckpt_every=10**9,
-                                 log_every=1)  # every step timed, for the step-time ratio
+                                 # every step timed, for the step-time ratio; no text
+                                 # samples (they do not change a run's numbers)
+                                 log_every=1, sample_tokens=0)
     out = pathlib.Path(args.out)
     rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],

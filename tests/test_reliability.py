@@ -30,7 +30,7 @@ from tests._steps import run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
-            warmup_steps=2)
+            warmup_steps=2, sample_tokens=0)
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 12)
 
 

@@ -12,7 +12,7 @@ from experiments import train as train_lib
 from experiments import training
 
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
-            warmup_steps=2)
+            warmup_steps=2, sample_tokens=0)
 
 
 def read_losses(out):
