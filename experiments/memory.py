@@ -124,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if report["device_bytes"] is not None:
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
     print(f"  {verdict} in {g(report['device_bytes'])} with a {g(report['margin_bytes'])} "
-          f"margin; largest batch that fits: {report['max_batch_that_fits']}")
+          f"margin; largest batch that fits: "
+          f"{'not searched' if report['max_batch_that_fits'] is None else report['max_batch_that_fits']}")
   if report["warning"]:
     print(f"  warning: {report['warning']}")
   return 0
