@@ -45,6 +45,7 @@ class StubRun:
     self.data = types.SimpleNamespace(
         info={"unigram_val_perplexity": 1.0, "val_names": []}, vocab_size=4)
     self.dataset = types.SimpleNamespace(batch_at=lambda step: (step, step))
+    self.batch_at = self.dataset.batch_at
     self.rounding_key = None
     self.schedule = optax.constant_schedule(0.5)
     self.consecutive = 0
