@@ -1228,8 +1228,9 @@ def _tokenizer_sample(parts: Sequence[_Part], sample_chars: int,
   return docs
 
 
-def _clear_output(out: pathlib.Path, overwrite: bool) -> None:
-  """Makes ``out`` an empty folder, replacing a prepared corpus if allowed."""
+def _check_output(out: pathlib.Path, overwrite: bool) -> None:
+  """Refuses an ``out`` that is a file, or holds anything but a prepared
+  corpus, or holds one and ``overwrite`` is not set."""
   if out.exists() and not out.is_dir():
     raise DataError(f"{out}: exists and is not a folder")
   if out.is_dir() and any(out.iterdir()):
@@ -1238,11 +1239,15 @@ def _clear_output(out: pathlib.Path, overwrite: bool) -> None:
                       "prepared corpus there)")
     if not is_prepared_dir(out):
       raise DataError(f"{out}: not a prepared corpus; refusing to overwrite")
-    # The manifest first: a half-deleted folder must not look valid.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    for old in [*out.glob("train-*.bin"), *out.glob("val-*.bin"),
-                out / TOKENIZER_NAME]:
-      old.unlink(missing_ok=True)
+
+
+def _clear_output(out: pathlib.Path) -> None:
+  """Deletes a prepared corpus in ``out`` (checked by :func:`_check_output`)."""
+  # The manifest first: a half-deleted folder must not look valid.
+  (out / MANIFEST_NAME).unlink(missing_ok=True)
+  for old in [*out.glob("train-*.bin"), *out.glob("val-*.bin"),
+              out / TOKENIZER_NAME]:
+    old.unlink(missing_ok=True)
   out.mkdir(parents=True, exist_ok=True)
 
 
@@ -1298,14 +1303,16 @@ def prepare_corpus(
   tic = time.perf_counter()
   source = pathlib.Path(DEFAULT_CORPUS if data is None else data)
   out = pathlib.Path(out)
-  if source.is_dir() and out.resolve().is_relative_to(source.resolve()):
-    raise DataError(f"{out}: output folder is inside the corpus folder {source}")
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
   if shard_tokens < 1:
     raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+  if source.is_dir() and out.resolve().is_relative_to(source.resolve()):
+    raise DataError(f"{out}: output folder is inside the corpus folder {source}")
+  _check_output(out, overwrite)  # Before the long work: refuse early.
   parts = _corpus_parts(source, val_fraction, read_bytes, progress)
-  _clear_output(out, overwrite)  # Before the long work: refuse early.
 
-  if tokenizer is not None:
+  if tokenizer is not None:  # Loaded before out is cleared: it may be in it.
     tok, tokenizer_source = _load_tokenizer_file(tokenizer), str(tokenizer)
     sample_chars = 0
   else:
@@ -1321,6 +1328,7 @@ def prepare_corpus(
   real_vocab = tok.get_vocab_size()
   dtype = "uint16" if real_vocab <= 1 << 16 else "uint32"
 
+  _clear_output(out)
   writers = {side: _ShardWriter(out, side, dtype, shard_tokens, real_vocab)
              for side in ("train", "val")}
   encoder = _BatchEncoder(tok, encode_chars)

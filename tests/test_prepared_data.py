@@ -184,6 +184,17 @@ def test_prepare_refuses_to_overwrite_by_accident(corpus, prepared, tmp_path):
     data.prepare_corpus(corpus, corpus / "prepared", vocab_size=256, **SMALL)
 
 
+def test_reusing_the_tokenizer_gives_the_same_tokens_and_fingerprint(corpus, prepared,
+                                                                     tmp_path):
+  out = _copy(prepared, tmp_path)
+  again = data.prepare_corpus(corpus, out, tokenizer=out / "tokenizer.json", overwrite=True,
+                              **SMALL)
+  assert again["tokenizer"]["source"] == str(out / "tokenizer.json")
+  assert again["tokenizer"]["sample_chars"] == 0
+  assert again["fingerprint"] == prepared[1]["fingerprint"]
+  assert again["splits"] == prepared[1]["splits"]
+
+
 def _copy(prepared, tmp_path):
   out = tmp_path / "copy"
   shutil.copytree(prepared[0], out)
