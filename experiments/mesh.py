@@ -30,8 +30,10 @@ not split over ``expert``: devices that share a data shard repeat the dense
 The train step is compiled with explicit ``in_shardings``/``out_shardings`` and
 donated parameters and state, so each device keeps only its shards from one
 step to the next. Several processes (one per host) use the same code after
-joining them; every process feeds the same global batch and
-keeps only its own devices' part of it (:func:`experiments.distributed.initialize_distributed`).
+joining them (:func:`experiments.distributed.initialize_distributed`): a host
+array given to :func:`put` must be the same global batch in every process,
+which keeps only its own devices' part of it; :func:`batch_from_rows` (the
+training command's batches) has each process read only its own rows.
 """
 
 from __future__ import annotations
