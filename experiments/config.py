@@ -65,10 +65,13 @@ class TrainConfig:
   clip_norm: float = setting(1.0, "global gradient-norm clipping threshold",
                              structural=True)
   seed: int = setting(0, "seed of the parameters and the batch order", structural=True)
-  data: str | None = setting(None, "UTF-8 text file or folder (default: the bundled "
-                             "Shakespeare corpus)", structural=True, kind=str)
+  data: str | None = setting(None, "UTF-8 text file or folder, or a folder written by "
+                             "'python -m experiments.data prepare' (memory-mapped "
+                             "shards; default: the bundled Shakespeare corpus)",
+                             structural=True, kind=str)
   val_fraction: float = setting(0.1, "share of the characters held out for validation "
-                                "(whole works)", structural=True)
+                                "(whole works; a prepared --data keeps its own split)",
+                                structural=True)
   eval_every: int = setting(100, "evaluate every this many steps", structural=False)
   eval_batches: int = setting(16, "validation batches per evaluation", structural=False)
   ckpt_every: int = setting(100, "checkpoint every this many steps", structural=False)

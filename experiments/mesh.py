@@ -34,8 +34,10 @@ mesh for that ``shard_map``.
 The train step is compiled with explicit ``in_shardings``/``out_shardings`` and
 donated parameters and state, so each device keeps only its shards from one
 step to the next. Several processes (one per host) use the same code after
-joining them; every process feeds the same global batch and
-keeps only its own devices' part of it (:func:`experiments.distributed.initialize_distributed`).
+joining them (:func:`experiments.distributed.initialize_distributed`): a host
+array given to :func:`put` must be the same global batch in every process,
+which keeps only its own devices' part of it; :func:`batch_from_rows` (the
+training command's batches) has each process read only its own rows.
 """
 
 from __future__ import annotations
@@ -262,6 +264,44 @@ def put(tree, shardings):
         x = np.asarray(x)  # a local value, to be split across processes
     return jax.device_put(x, sharding)
   return jax.tree.map(one, tree, shardings)
+
+
+def batch_from_rows(read_rows: Callable[[slice], tuple[np.ndarray, np.ndarray]],
+                    shape: tuple[int, int], sharding: NamedSharding):
+  """A global ``(inputs, targets)`` batch of which this process reads only its rows.
+
+  Each process calls ``read_rows`` only for the row ranges that its own
+  devices hold under ``sharding`` (once per distinct range), so no process
+  reads another's rows; the result is the same global array :func:`put` would
+  make from the whole batch.
+
+  Args:
+    read_rows: ``rows -> (inputs, targets)``, those rows of the global batch.
+    shape: the global batch shape ``[B, T]``.
+    sharding: where the batch goes (:func:`batch_sharding`).
+
+  Example:
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> batch = np.arange(12).reshape(4, 3)
+    >>> inputs, _ = batch_from_rows(lambda r: (batch[r], batch[r]), (4, 3),
+    ...                             batch_sharding(mesh))
+    >>> inputs.sharding.spec, int(inputs.sum())
+    (P('data',), 66)
+  """
+  pieces = {}
+
+  def rows_of(index):
+    rows = slice(*index[0].indices(shape[0]))
+    key = (rows.start, rows.stop, rows.step)
+    if key not in pieces:
+      pieces[key] = read_rows(rows)
+    return pieces[key]
+
+  def array(which):
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: rows_of(index)[which][(slice(None),) + index[1:]])
+
+  return array(0), array(1)
 
 
 # --------------------------------------------------------------------------

@@ -4,10 +4,13 @@
 
 Data: the bundled Shakespeare corpus (or ``--data PATH``, any UTF-8 file or
 folder), split into whole held-out works, tokenised with a byte-level BPE trained
-locally and cached (``experiments/data.py``). The train step is one jitted
+locally and cached (``experiments/data.py``); or ``--data DIR``, a corpus of any
+size prepared once by ``python -m experiments.data prepare`` and read through
+``np.memmap`` (a bad manifest is a one-line error). The train step is one jitted
 function (forward, backward, optimizer update) with the parameters and optimizer
 state donated. Batch ``s`` is a pure function of ``(seed, s)``, so a resumed run
-sees exactly the batches of an uninterrupted one. ``--mesh data=4,expert=2``
+sees exactly the batches of an uninterrupted one; on a mesh each process reads
+only its own devices' rows of it. ``--mesh data=4,expert=2``
 shards the same step over a device mesh and ``--coordinator-address``,
 ``--num-processes``, ``--process-id`` join several processes
 (``experiments/mesh.py``, ``experiments/distributed.py``). The run itself is

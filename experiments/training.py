@@ -66,9 +66,14 @@ class Run:
       raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len "
                        f"{self.model_config.max_seq_len}")
     self.seq_len = seq_len
-    self.data = data_lib.prepare_data(
-        config.data, vocab_size=self.model_config.vocab_size, cache_dir=cache_dir,
-        val_fraction=config.val_fraction)
+    if data_lib.is_prepared_dir(config.data):
+      # Memory-mapped shards; the split is the manifest's (not val_fraction).
+      self.data = data_lib.open_prepared(config.data,
+                                         max_vocab_size=self.model_config.vocab_size)
+    else:
+      self.data = data_lib.prepare_data(
+          config.data, vocab_size=self.model_config.vocab_size, cache_dir=cache_dir,
+          val_fraction=config.val_fraction)
     corpus = self.data.info["path"]
     try:
       self.dataset = data_lib.TokenDataset(
@@ -82,10 +87,14 @@ class Run:
     except data_lib.DataError as err:
       raise data_lib.DataError(f"{corpus}: validation split too short: {err}") from None
     # Checked on resume: the same path with other text would silently give
-    # other batches than the checkpointed run saw.
-    self.data_fingerprint = hashlib.sha256(
-        self.data.train_tokens.tobytes() + b"|" + self.data.val_tokens.tobytes()
-    ).hexdigest()[:16]
+    # other batches than the checkpointed run saw. A prepared corpus's comes
+    # from its manifest (its shards' hashes), not from reading every token.
+    if isinstance(self.data, data_lib.PreparedCorpus):
+      self.data_fingerprint = self.data.fingerprint
+    else:
+      self.data_fingerprint = hashlib.sha256(
+          self.data.train_tokens.tobytes() + b"|" + self.data.val_tokens.tobytes()
+      ).hexdigest()[:16]
 
     model = models.Transformer(self.model_config, rngs=nnx.Rngs(config.seed))
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -117,6 +126,18 @@ class Run:
     else:
       self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
       self.eval_step = jax.jit(eval_step)
+
+  def batch_at(self, step: int):
+    """Training batch ``step`` (a pure function of ``(seed, step)``).
+
+    On a mesh it is a global array built from only this process's rows: each
+    process reads the windows of its own devices' rows, nothing else.
+    """
+    if self.spmd is None:
+      return self.dataset.batch_at(step)
+    return mesh_lib.batch_from_rows(
+        lambda rows: self.dataset.batch_at(step, rows=rows),
+        (self.config.batch_size, self.seq_len), self.spmd.shardings.batch)
 
   def init_state(self):
     if self.spmd is not None:
@@ -363,7 +384,7 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
   pending = None  # (step, metrics) dispatched but not yet read
   try:
     for step in range(start, end):
-      inputs, targets = run.dataset.batch_at(step)
+      inputs, targets = run.batch_at(step)
       extra = {}
       if config.stochastic_rounding:
         extra["key"] = jax.random.fold_in(run.rounding_key, step)

@@ -46,6 +46,7 @@ class StubRun:
         info={"unigram_val_perplexity": 1.0, "val_names": []}, vocab_size=4,
         tokenizer=types.SimpleNamespace(save=lambda path: None))
     self.dataset = types.SimpleNamespace(batch_at=lambda step: (step, step))
+    self.batch_at = self.dataset.batch_at
     self.rounding_key = None
     self.schedule = optax.constant_schedule(0.5)
     self.consecutive = 0
