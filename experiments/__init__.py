@@ -2,14 +2,14 @@
 
 A library plus thin commands. The library modules (``config``, ``steps``,
 ``optimizers``, ``training``, ``metrics_log``, ``checkpoint``, ``data``,
-``update_in_backward``, ``mesh``, ``distributed``, ``planner``,
+``update_in_backward``, ``mesh``, ``distributed``, ``planner``, ``hlo``,
 ``accounting``) never import a
 command; the commands (``python -m experiments.NAME`` for ``train``,
 ``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,
 ``state_bytes``) are short ``main()`` s over them. Nothing here changes the
-environment on import, except on a machine with JAX's CUDA plugin and no GPU:
-there JAX starts on the CPU without the plugin's start-up noise
-(:mod:`skewadam_jax.startup`).
+environment on import, except on a machine with JAX's CUDA plugin or libtpu
+and no GPU or TPU: there JAX starts on the CPU without the plugins' start-up
+noise (:mod:`skewadam_jax.startup`).
 """
 
 import os

@@ -165,8 +165,11 @@ def _print_report(report: dict) -> None:
   if report["mesh"]:
     print(f"  per device: params {g(report['per_device_param_bytes'])}, optimizer state "
           f"{g(report['per_device_opt_state_bytes'])}")
-  print(f"  XLA{per}: argument {g(x['argument'])}, output {g(x['output'])}, alias "
-        f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
+  if x is None:
+    print(f"  XLA{per}: {report['out_of_memory']}")
+  else:
+    print(f"  XLA{per}: argument {g(x['argument'])}, output {g(x['output'])}, alias "
+          f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
   print(f"  matrix-multiply FLOPs per step: {report['matmul_flops']:.3e}, useful "
         f"{report['useful_flops']:.3e} (efficiency {report['flops_efficiency']:.2f})")
   if report["collective_bytes"] is not None:
@@ -174,9 +177,10 @@ def _print_report(report: dict) -> None:
     print(f"  collectives per device per step: {moved or 'none'}")
   if report["device_bytes"] is not None:
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
+    largest = report["max_batch_that_fits"]
     print(f"  {verdict} in {g(report['device_bytes'])}{per} with a "
           f"{g(report['margin_bytes'])} margin; largest batch that fits: "
-          f"{report['max_batch_that_fits']}")
+          f"{'not searched' if largest is None else largest}")
   if report["warning"]:
     print(f"  warning: {report['warning']}")
 

@@ -197,10 +197,17 @@ def _tpu_devices(target: str, count: int) -> list:
   shape = spec.topologies[count]
   bounds = [int(d) for d in shape.split("x")] + [1] * (3 - shape.count("x") - 1)
   # libtpu reads these when it loads; a compile-only process has no TPU to ask
-  # (unset, libtpu prints host-bounds and worker-hostname errors).
+  # (unset, libtpu prints host-bounds and worker-hostname errors), shares no
+  # chip with other processes (libtpu otherwise takes a lock file for the
+  # host's TPUs), and wants the analysis of a step that does not fit (by
+  # default XLA:TPU refuses to compile it: RESOURCE_EXHAUSTED).
   os.environ.setdefault("TPU_ACCELERATOR_TYPE",
                         spec.accelerator_type.format(n=count, cores=2 * count))
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if "xla_tpu_no_crash_on_oom" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
+                                      + " --xla_tpu_no_crash_on_oom=true").strip()
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   # One host holding the whole slice: the default host shape (2x2x1) cannot
   # describe one chip, and a compile does not care where the hosts are.
@@ -409,9 +416,17 @@ def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
   shardings = step_shardings(device_mesh, preset, tx, params,
                              update_in_backward=update_in_backward, fsdp=fsdp)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  with startup.filtered_stderr(XLA_REMAT_WARNINGS):
-    compiled = mesh_lib.sharded_train_step(train_step, shardings).lower(
-        params, opt_state, tokens, tokens, {}).compile()
+  try:
+    with startup.filtered_stderr(XLA_REMAT_WARNINGS):
+      compiled = mesh_lib.sharded_train_step(train_step, shardings).lower(
+          params, opt_state, tokens, tokens, {}).compile()
+  except jax.errors.JaxRuntimeError as err:
+    # XLA:TPU still refuses a single buffer larger than the chip's memory.
+    if target not in TPU_TARGETS or "RESOURCE_EXHAUSTED" not in str(err):
+      raise
+    return {"xla": None, "out_of_memory": str(err).splitlines()[0][:300],
+            "matmul_flops": matmul_flops(train_step, params, opt_state, tokens, tokens),
+            "device_matmul_flops": None, "collectives": None, "warning": warning}
   text = compiled.as_text()
   return {"xla": _analysis(compiled),
           "matmul_flops": matmul_flops(train_step, params, opt_state, tokens, tokens),
@@ -506,6 +521,11 @@ def _jaxpr_matmul_flops(jaxpr) -> int:
   return total
 
 
+def _peak(compiled: dict) -> int | None:
+  """The compiled step's peak, or None where XLA:TPU refused it for lack of memory."""
+  return None if compiled["xla"] is None else compiled["xla"]["peak"]
+
+
 def _fits(peak: int, device_bytes: int | None, margin_bytes: int) -> bool | None:
   return None if device_bytes is None else peak + margin_bytes <= device_bytes
 
@@ -596,7 +616,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   device_bytes = (int(device_memory_gb * GB) if device_memory_gb is not None
                   else target_device_bytes(target))
   margin_bytes = int(margin_gb * GB)
-  peak = compiled["xla"]["peak"]
+  peak = _peak(compiled)
   counted = compiled["matmul_flops"]
   useful = useful_flops(config, batch, seq)
   collectives = compiled.get("collectives")
@@ -614,7 +634,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "per_device_param_bytes": compiled.get("per_device_param_bytes", param_bytes),
       "per_device_opt_state_bytes": compiled.get("per_device_opt_state_bytes",
                                                  state_by_tier["total"]),
-      "xla": {k: v for k, v in compiled["xla"].items() if k != "peak"},
+      "xla": {k: v for k, v in (compiled["xla"] or {}).items() if k != "peak"} or None,
       "matmul_flops": counted, "useful_flops": useful,
       "flops_efficiency": useful / counted if counted else None,
       "device_matmul_flops": device_flops,
@@ -625,11 +645,13 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "collective_loop_trip_counts": collectives.trip_counts if collectives else None,
       "peak_bytes": peak, "per_device_peak_bytes": peak,
       "device_bytes": device_bytes, "margin_bytes": margin_bytes,
-      "fits": _fits(peak, device_bytes, margin_bytes),
+      "fits": False if peak is None else _fits(peak, device_bytes, margin_bytes),
       "max_batch_that_fits": None,
       "compiled_for": "cpu" if compiled["warning"] else target,
       "warning": compiled["warning"],
   }
+  if compiled.get("out_of_memory"):
+    report["out_of_memory"] = compiled["out_of_memory"]
   if collectives and collectives.assumed_trip_counts:
     report["collective_assumed_trip_counts"] = collectives.assumed_trip_counts
   if search_batch and device_bytes is not None:
@@ -638,11 +660,13 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     def peak_at(multiple):  # the global batch is a multiple of the data size
       b = multiple * data
       if b not in peaks:
-        peaks[b] = compile_at(b)["xla"]["peak"]
+        peaks[b] = _peak(compile_at(b))
         if progress:
-          verdict = "fits" if _fits(peaks[b], device_bytes, margin_bytes) else "does not fit"
-          progress(f"batch {b}: peak {peaks[b] / GB:.2f} GB, {verdict}")
-      return peaks[b]
+          verdict = ("fits" if peaks[b] is not None and _fits(peaks[b], device_bytes, margin_bytes)
+                     else "does not fit")
+          shown = "out of memory" if peaks[b] is None else f"{peaks[b] / GB:.2f} GB"
+          progress(f"batch {b}: peak {shown}, {verdict}")
+      return math.inf if peaks[b] is None else peaks[b]
 
     report["max_batch_that_fits"] = data * max_batch_that_fits(
         peak_at, device_bytes, margin_bytes, limit=max(1, 1024 // data))

@@ -237,6 +237,9 @@ def test_devices_plan_of_tiny_on_the_gpu_target():
 def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
   def fake_compile(preset, optimizer, *, batch, mesh, **_):
     assert batch % mesh["data"] == 0
+    if batch >= 40:  # as XLA:TPU answers a buffer larger than the chip
+      return {"xla": None, "out_of_memory": "RESOURCE_EXHAUSTED", "matmul_flops": 1,
+              "device_matmul_flops": None, "warning": None}
     return {"xla": {"argument": 0, "output": 0, "alias": 0, "temp": 0, "peak": 10 + 3 * batch},
             "matmul_flops": 1, "device_matmul_flops": 1, "warning": None}
   monkeypatch.setattr(planner, "compile_step", fake_compile)
@@ -244,13 +247,22 @@ def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
                         seq=16, device_memory_gb=100e-9, margin_gb=0)
   assert report["max_batch_that_fits"] == 28  # 10 + 3b <= 100: b <= 30, in steps of 4
   assert all(int(b) % 4 == 0 for b in report["peak_bytes_by_batch"])
+  report = planner.plan("tiny", "adamw", target="a100-40gb", devices=8, mesh="data=4", batch=4,
+                        seq=16, device_memory_gb=1000e-9, margin_gb=0)
+  assert report["max_batch_that_fits"] == 36  # out of memory from 40 on
+  report = planner.plan("tiny", "adamw", target="a100-40gb", devices=8, mesh="data=4", batch=40,
+                        seq=16, device_memory_gb=1000e-9, search_batch=False)
+  assert report["fits"] is False and report["xla"] is None and report["peak_bytes"] is None
 
 
 def test_tpu_target_compiles_tiny_on_four_chips(monkeypatch):
   if not planner.tpu_compile_available():
     pytest.skip("libtpu (the tpu-compile extra) not installed")
-  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-4")  # what the planner sets, undone after
-  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+  # What the planner sets for libtpu, undone after the test.
+  for name, value in (("TPU_ACCELERATOR_TYPE", "v6e-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+                      ("LIBTPU_INIT_ARGS", "--xla_tpu_no_crash_on_oom=true")):
+    monkeypatch.setenv(name, value)
   report = planner.plan("tiny", "skewadam", target="tpu-v6e", devices=4, batch=4, seq=16,
                         search_batch=False)
   assert report["compiled_for"] == "tpu-v6e" and report["device_bytes"] == 32 * 10**9
