@@ -81,7 +81,8 @@ def _parse_tiers(args) -> dict:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
                                    description=__doc__.split("\n\n")[0],
-                                   epilog="--table FILE.json ...: print reports as a Markdown table")
+                                   epilog="--table FILE.json ...: print reports as a Markdown "
+                                   "table (--devices-table for --devices reports)")
   parser.add_argument("--preset", default="moe-6.78b")
   parser.add_argument("--optimizer", default="skewadam",
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
@@ -117,8 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   experiments.use_cpu_without_gpu()
   use_deviceless_gpu_environment()
   argv = sys.argv[1:] if argv is None else list(argv)
-  if argv and argv[0] == "--table":
-    print(markdown_table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
+  if argv and argv[0] in ("--table", "--devices-table"):
+    table = markdown_table if argv[0] == "--table" else planner.markdown_devices_table
+    print(table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
     return 0
   args = _parser().parse_args(argv)
   if args.target == "cpu" and args.devices:

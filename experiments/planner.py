@@ -689,3 +689,37 @@ def markdown_table(reports: Sequence[dict]) -> str:
                  f"| {r['peak_bytes'] / GB:.2f} GB | {'yes' if r['fits'] else 'no'} "
                  f"| {r['max_batch_that_fits']} |")
   return "\n".join(lines)
+
+
+def _gb(nbytes) -> str:
+  return "—" if nbytes is None else f"{nbytes / GB:.2f} GB"
+
+
+def markdown_devices_table(reports: Sequence[dict]) -> str:
+  """A Markdown table of ``--devices`` planner reports: one device's bytes, the step's traffic.
+
+  Columns: the mesh, one device's parameters + optimizer state, its peak at
+  the report's global batch, the fit, the largest global batch that fits,
+  the bytes each collective kind handles on one device per step
+  (all-gather / reduce-scatter / all-reduce / all-to-all), and
+  ``useful / counted`` FLOPs then ``useful / (devices × one device's)``.
+  """
+  lines = ["| preset | optimizer | step | devices, mesh | params + state per device "
+           "| peak per device (batch) | fits | largest batch | AG / RS / AR / A2A per device "
+           "per step | FLOPs efficiency: step, hardware |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    step = "in backward" if r.get("update_in_backward") else "standard"
+    mesh = r.get("mesh") or {"data": 1, "expert": 1}
+    layout = (f"{r.get('devices', 1)} x {r['target']}, data={mesh['data']} x "
+              f"expert={mesh['expert']}{', fsdp' if r.get('fsdp') else ''}")
+    held = r["per_device_param_bytes"] + r["per_device_opt_state_bytes"]
+    moved = r.get("collective_bytes") or {}
+    traffic = " / ".join(f"{moved.get(kind, 0) / GB:,.1f}" for kind in
+                         ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")) + " GB"
+    hardware = r.get("hardware_flops_efficiency")
+    efficiency = (f"{r['flops_efficiency']:.2f}, "
+                  f"{'—' if hardware is None else f'{hardware:.3f}'}")
+    lines.append(f"| {r['preset']} | {r['optimizer']} | {step} | {layout} | {_gb(held)} "
+                 f"| {_gb(r['peak_bytes'])} ({r['batch']}) | {'yes' if r['fits'] else 'no'} "
+                 f"| {r['max_batch_that_fits']} | {traffic} | {efficiency} |")
+  return "\n".join(lines)

@@ -232,6 +232,8 @@ def test_devices_plan_of_tiny_on_the_gpu_target():
   assert set(report["collective_loop_trip_counts"].values()) == {2}  # tiny's 2 layers
   # Devices that share a data shard repeat its dense work: the hardware does more.
   assert 0 < report["hardware_flops_efficiency"] < report["flops_efficiency"] < 1
+  table = planner.markdown_devices_table([report]).splitlines()
+  assert len(table) == 3 and "| 8 x a100-40gb, data=2 x expert=4 |" in table[2]
 
 
 def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
