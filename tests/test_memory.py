@@ -168,7 +168,8 @@ def test_collective_bytes_multiply_loop_bodies_by_their_trip_count():
   report = hlo.collective_bytes(LOOP_HLO)
   assert report.bytes["all-reduce"] == 7 * 64 and report.counts["all-reduce"] == 7
   assert report.trip_counts == {"loop": 7} and report.assumed_trip_counts == []
-  known = LOOP_HLO.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+  known = LOOP_HLO.replace("body=%body",
+                           'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
   assert hlo.collective_bytes(known).bytes["all-reduce"] == 3 * 64  # XLA's own count first
   unknown = LOOP_HLO.replace("constant(7)", "parameter(1)")
   report = hlo.collective_bytes(unknown, default_trip_count=4)
