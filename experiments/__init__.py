@@ -2,14 +2,14 @@
 
 A library plus thin commands. The library modules (``config``, ``steps``,
 ``optimizers``, ``training``, ``metrics_log``, ``checkpoint``, ``data``,
-``update_in_backward``, ``mesh``, ``distributed``, ``planner``,
+``update_in_backward``, ``mesh``, ``distributed``, ``planner``, ``hlo``,
 ``accounting``) never import a
 command; the commands (``python -m experiments.NAME`` for ``train``,
 ``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,
 ``state_bytes``) are short ``main()`` s over them. Nothing here changes the
-environment on import, except on a machine with JAX's CUDA plugin and no GPU:
-there JAX starts on the CPU without the plugin's start-up noise
-(:mod:`skewadam_jax.startup`).
+environment on import, except on a machine with JAX's CUDA plugin or libtpu
+and no GPU or TPU: there JAX starts on the CPU without the plugins' start-up
+noise (:mod:`skewadam_jax.startup`).
 """
 
 import os
@@ -20,17 +20,18 @@ from skewadam_jax import startup
 
 
 def use_cpu_without_gpu() -> None:
-  """Chooses the CPU when the CUDA plugin is installed but no NVIDIA GPU is.
+  """Chooses the CPU when an accelerator plugin is installed but no accelerator is.
 
   The ``gpu-compile`` extra installs JAX's CUDA plugin for deviceless XLA:GPU
-  compilation; on a machine without a GPU, JAX would otherwise try to start it
-  and print a long CUDA error before falling back to the CPU. An explicit
-  ``JAX_PLATFORMS`` always wins, and machines with a TPU runtime are left
-  alone (:func:`skewadam_jax.startup.cuda_plugin_without_gpu`). Importing
+  compilation, the ``tpu-compile`` extra libtpu for XLA:TPU; on a machine
+  without a GPU (or TPU), JAX would otherwise try to start them and print
+  long errors before falling back to the CPU. An explicit ``JAX_PLATFORMS``
+  always wins, and machines with a GPU or a TPU attached are left alone
+  (:func:`skewadam_jax.startup.accelerator_plugin_without_device`). Importing
   this package already does it, quietly, when JAX is not imported yet; every
   command also calls it first thing in ``main``.
   """
-  if "JAX_PLATFORMS" not in os.environ and startup.cuda_plugin_without_gpu():
+  if "JAX_PLATFORMS" not in os.environ and startup.accelerator_plugin_without_device():
     use_platforms("cpu")
 
 

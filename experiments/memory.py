@@ -23,6 +23,24 @@ each layer's update inside the backward pass (``experiments/update_in_backward.p
 most alive at once. ``matmul_flops`` counts the step's matrix multiplies
 (scan bodies times their length; ``experiments.planner.matmul_flops``).
 
+``flops_efficiency`` is the useful FLOPs of the step (``6 · active
+parameters · tokens`` + causal attention, ``experiments.planner.useful_flops``)
+over ``matmul_flops``.
+
+``--devices N`` compiles the step sharded over N devices of the target (an
+N-GPU node; N TPU chips), with the training command's mesh and shardings
+(``experiments/mesh.py``; the batch split over ``data``): ``--mesh
+data=A,expert=B`` (default: ``expert = gcd(N, experts)``, ``data = N /
+expert``), ``--fsdp`` to split the other matrices over ``data`` as well.
+Memory figures are then per device, ``--batch`` and the largest batch that
+fits are global (multiples of ``data``), and ``collective_bytes`` gives the
+bytes each collective kind handles per device per step, read from the
+compiled HLO with the layer loop's trip count (``experiments/hlo.py``).
+
+``--target tpu-v5e | tpu-v5p | tpu-v6e`` compiles with libtpu's ahead-of-time
+compiler, without a TPU (``pip install -e '.[tpu-compile]'``); ``--devices N``
+is then N chips (a slice shape of that generation).
+
 Parameters and gradients are bf16 by default (``--param-dtype``). The GPU
 compile needs the ``gpu-compile`` extra (``pip install -e '.[gpu-compile]'``);
 without it, or with ``--target cpu``, the step is compiled for this CPU and
@@ -42,7 +60,8 @@ import jax.numpy as jnp
 import experiments
 from experiments import config as config_lib
 from experiments import optimizers
-from experiments.planner import TARGETS, markdown_table, plan, use_deviceless_gpu_environment
+from experiments import planner
+from experiments.planner import markdown_table, plan, use_deviceless_gpu_environment
 
 
 def _human(nbytes: int) -> str:
@@ -59,21 +78,17 @@ def _parse_tiers(args) -> dict:
       router_second_moment=args.router_second_moment).skewadam_tiers()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
-  use_deviceless_gpu_environment()
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if argv and argv[0] == "--table":
-    print(markdown_table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
-    return 0
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
                                    description=__doc__.split("\n\n")[0],
-                                   epilog="--table FILE.json ...: print reports as a Markdown table")
+                                   epilog="--table FILE.json ...: print reports as a Markdown "
+                                   "table (--devices-table for --devices reports)")
   parser.add_argument("--preset", default="moe-6.78b")
   parser.add_argument("--optimizer", default="skewadam",
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
-  parser.add_argument("--target", default="a100-40gb", help=f"one of {', '.join(TARGETS)}")
-  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--target", default="a100-40gb",
+                      help=f"one of {', '.join(planner.ALL_TARGETS)}")
+  parser.add_argument("--batch", type=int, default=1, help="global batch (sequences)")
   parser.add_argument("--seq", type=int, default=None, help="default: the preset's max_seq_len")
   parser.add_argument("--margin-gb", type=float, default=2.0)
   parser.add_argument("--param-dtype", default="bfloat16")
@@ -89,8 +104,27 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--device-memory-gb", type=float, default=None,
                       help="check the fit against a device of this many GB (default: "
                       "the target's memory)")
+  parser.add_argument("--devices", type=int, default=None,
+                      help="compile for this many devices of the target (GPUs, TPU chips)")
+  parser.add_argument("--mesh", default=None, help="with --devices: data=A,expert=B "
+                      "(default expert = gcd(devices, experts), data = the rest)")
+  parser.add_argument("--fsdp", action="store_true",
+                      help="with --devices: also split each matrix over the data axis")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  use_deviceless_gpu_environment()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] in ("--table", "--devices-table"):
+    table = markdown_table if argv[0] == "--table" else planner.markdown_devices_table
+    print(table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
+    return 0
+  args = _parser().parse_args(argv)
+  if args.target == "cpu" and args.devices:
+    planner.use_host_devices(args.devices)  # before JAX starts its CPU backend
   try:
     if args.optimizer not in optimizers.OPTIMIZERS:
       raise ValueError(f"unknown optimizer {args.optimizer!r}; "
@@ -99,36 +133,58 @@ def main(argv: Sequence[str] | None = None) -> int:
                   seq=args.seq, margin_gb=args.margin_gb, skewadam_tiers=_parse_tiers(args),
                   param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
                   update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
-                  device_memory_gb=args.device_memory_gb,
+                  device_memory_gb=args.device_memory_gb, devices=args.devices,
+                  mesh=args.mesh, fsdp=args.fsdp,
                   progress=lambda message: print(message, file=sys.stderr, flush=True))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
   if args.json:
     print(json.dumps(report, indent=2))
-    return 0
+  else:
+    _print_report(report)
+  return 0
+
+
+def _print_report(report: dict) -> None:
   g = _human
   tiers = report["opt_state_bytes_by_tier"]
   mode = (f", update in backward ({report['clip_mode']} clip)"
           if report["update_in_backward"] else "")
+  where = report["compiled_for"]
+  if report["mesh"]:
+    mesh = report["mesh"]
+    where = (f"{report['devices']} x {where}, mesh data={mesh['data']} x "
+             f"expert={mesh['expert']}{', fsdp' if report['fsdp'] else ''}")
   print(f"{report['preset']} ({report['num_params']:,} params, {report['param_dtype']}), "
         f"{report['optimizer']}{mode}, batch {report['batch']} x {report['seq']}, "
-        f"compiled for {report['compiled_for']}")
+        f"compiled for {where}")
   print(f"  params {g(report['param_bytes'])}, grads {g(report['grad_bytes'])}, optimizer "
         f"state {g(report['opt_state_bytes'])} (backbone {g(tiers['backbone'])}, expert "
         f"{g(tiers['expert'])}, router {g(tiers['router'])})")
   x = report["xla"]
-  print(f"  XLA: argument {g(x['argument'])}, output {g(x['output'])}, alias "
-        f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
-  print(f"  matrix-multiply FLOPs per step: {report['matmul_flops']:.3e}")
+  per = " per device" if report["mesh"] else ""
+  if report["mesh"]:
+    print(f"  per device: params {g(report['per_device_param_bytes'])}, optimizer state "
+          f"{g(report['per_device_opt_state_bytes'])}")
+  if x is None:
+    print(f"  XLA{per}: {report['out_of_memory']}")
+  else:
+    print(f"  XLA{per}: argument {g(x['argument'])}, output {g(x['output'])}, alias "
+          f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
+  print(f"  matrix-multiply FLOPs per step: {report['matmul_flops']:.3e}, useful "
+        f"{report['useful_flops']:.3e} (efficiency {report['flops_efficiency']:.2f})")
+  if report["collective_bytes"] is not None:
+    moved = ", ".join(f"{kind} {g(n)}" for kind, n in report["collective_bytes"].items() if n)
+    print(f"  collectives per device per step: {moved or 'none'}")
   if report["device_bytes"] is not None:
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
-    print(f"  {verdict} in {g(report['device_bytes'])} with a {g(report['margin_bytes'])} "
-          f"margin; largest batch that fits: "
-          f"{'not searched' if report['max_batch_that_fits'] is None else report['max_batch_that_fits']}")
+    largest = report["max_batch_that_fits"]
+    print(f"  {verdict} in {g(report['device_bytes'])}{per} with a "
+          f"{g(report['margin_bytes'])} margin; largest batch that fits: "
+          f"{'not searched' if largest is None else largest}")
   if report["warning"]:
     print(f"  warning: {report['warning']}")
-  return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,20 @@ For a preset and an optimizer, :func:`plan` reports
   ``peak = argument + output − alias + temp``;
 * the verdict against the device's memory less a safety margin (2 GB by
   default: CUDA context, cuBLAS/cuDNN workspaces, fragmentation), and the
-  largest batch that fits (doubling, then bisection).
+  largest batch that fits (doubling, then bisection);
+* ``flops_efficiency``: the step's useful FLOPs (:func:`useful_flops`) over
+  the matrix-multiply FLOPs it computes (:func:`matmul_flops`).
+
+With ``devices=N`` the step is compiled for N devices of the target (an
+N-GPU node, or N TPU chips), with the training command's mesh and shardings
+(:mod:`experiments.mesh`; the batch split over ``data``): the memory figures
+are then one device's (XLA's analysis of the SPMD program), the batch is the
+global one, and the report adds the bytes each collective kind handles per
+device per step (:func:`experiments.hlo.collective_bytes`).
+
+TPU targets (``tpu-v5e``, ``tpu-v5p``, ``tpu-v6e``) compile through libtpu's
+ahead-of-time compiler, also without the hardware (the ``tpu-compile``
+extra).
 
 ``python -m experiments.memory`` is the command around it. A command that
 compiles for a GPU target calls :func:`use_deviceless_gpu_environment` in its
@@ -22,7 +35,9 @@ compiles for a GPU target calls :func:`use_deviceless_gpu_environment` in its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import pathlib
@@ -33,9 +48,12 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+import models
 import skewadam_jax
 from skewadam_jax import startup
 import experiments
+from experiments import hlo
+from experiments import mesh as mesh_lib
 from experiments import optimizers
 from experiments import steps as steps_lib
 from experiments import update_in_backward as uib
@@ -48,15 +66,60 @@ CPU_WARNING = ("compiled for the CPU, not the GPU: XLA:CPU reports 2.5-4x the GP
 GB = 1e9
 XLA_REMAT_WARNINGS = (
     r"hlo_rematerialization\.cc:\d+\] Can't reduce memory use below",
+    # XLA:GPU's scheduler, when the arguments alone exceed the device: the
+    # report says so.
+    r"gpu_hlo_schedule\.cc:\d+\] The byte size of input/output arguments",
     *startup.CUDA_PLUGIN_NOISE)
 
 
+@dataclasses.dataclass(frozen=True)
+class TpuTarget:
+  """A TPU generation as a compile target.
+
+  Attributes:
+    generation: libtpu's name in topology strings (``"v6e"``).
+    accelerator_type: Cloud TPU's accelerator type for ``n`` chips, as the
+      TPU runtime spells it (``v5p`` counts TensorCores, two a chip).
+    hbm_bytes: memory per chip (the Cloud TPU documentation's figure in GB;
+      the compile-only topology does not report it).
+    topologies: chip count -> topology (``"2x4"``): the slice shapes Cloud
+      TPU offers (v5p's smallest is 4 chips; its one-chip entry plans a chip
+      alone).
+  """
+  generation: str
+  accelerator_type: str
+  hbm_bytes: int
+  topologies: dict
+
+
+# HBM per chip from https://cloud.google.com/tpu/docs/v5e, /v5p and /v6e
+# ("HBM capacity per chip": 16 GB, 95 GB, 32 GB).
+TPU_TARGETS = {
+    "tpu-v5e": TpuTarget("v5e", "v5litepod-{n}", 16 * 10**9,
+                         {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}),
+    "tpu-v5p": TpuTarget("v5p", "v5p-{cores}", 95 * 10**9,
+                         {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4",
+                          64: "4x4x4"}),
+    "tpu-v6e": TpuTarget("v6e", "v6e-{n}", 32 * 10**9,
+                         {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8"}),
+}
+ALL_TARGETS = (*TARGETS, *TPU_TARGETS)
+TPU_COMPILE_HINT = "pip install -e '.[tpu-compile]'"
+
+
 def target_device_bytes(target: str) -> int | None:
-  """Device memory of a GPU target, read from its description."""
+  """Memory of one device of ``target``: a GPU's from its description, a TPU chip's HBM."""
+  if target in TPU_TARGETS:
+    return TPU_TARGETS[target].hbm_bytes
   if TARGETS.get(target) is None:
     return None
   text = (TARGET_DIR / TARGETS[target]).read_text()
   return int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+
+
+def _check_target(target: str) -> None:
+  if target not in ALL_TARGETS:
+    raise ValueError(f"unknown target {target!r}; choose from {', '.join(ALL_TARGETS)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,10 +140,22 @@ def use_deviceless_gpu_environment() -> None:
                                + " --xla_gpu_enable_cub_radix_sort=false").strip()
 
 
+def use_host_devices(count: int) -> None:
+  """Gives this process ``count`` CPU devices (``--target cpu --devices N``).
+
+  Call before JAX starts a backend; an ``XLA_FLAGS`` that already sets the
+  count wins.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def target_sharding(target: str):
   """(sharding, warning) to compile for: the GPU target's one device, or the CPU."""
-  if target not in TARGETS:
-    raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+  _check_target(target)
+  if target in TPU_TARGETS:
+    return jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0][0]), None
   if TARGETS[target] is not None:
     try:
       from jax.experimental import topologies
@@ -99,6 +174,131 @@ def target_sharding(target: str):
 def gpu_compile_available(target: str = "a100-40gb") -> bool:
   """Whether deviceless compilation for ``target`` works in this environment."""
   return target_sharding(target)[1] is None
+
+
+def tpu_compile_available() -> bool:
+  """Whether libtpu (the ``tpu-compile`` extra) is installed, for the TPU targets."""
+  try:
+    return importlib.util.find_spec("libtpu") is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def check_tpu_target(target: str, count: int) -> None:
+  """Raises a one-line ValueError unless ``count`` chips of TPU ``target`` can be compiled for."""
+  spec = TPU_TARGETS[target]
+  if count not in spec.topologies:
+    raise ValueError(f"--devices {count} is not a {target} slice; choose from "
+                     f"{', '.join(map(str, spec.topologies))} chips")
+  if not tpu_compile_available():
+    raise ValueError(f"--target {target} needs libtpu, the TPU compiler: {TPU_COMPILE_HINT}")
+
+
+def _tpu_devices(target: str, count: int) -> list:
+  check_tpu_target(target, count)
+  spec = TPU_TARGETS[target]
+  shape = spec.topologies[count]
+  bounds = [int(d) for d in shape.split("x")] + [1] * (3 - shape.count("x") - 1)
+  # libtpu reads these when it loads; a compile-only process has no TPU to ask
+  # (unset, libtpu prints host-bounds and worker-hostname errors), shares no
+  # chip with other processes (libtpu otherwise takes a lock file for the
+  # host's TPUs), and wants the analysis of a step that does not fit (by
+  # default XLA:TPU refuses to compile it: RESOURCE_EXHAUSTED).
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE",
+                        spec.accelerator_type.format(n=count, cores=2 * count))
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if "xla_tpu_no_crash_on_oom" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
+                                      + " --xla_tpu_no_crash_on_oom=true").strip()
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  # One host holding the whole slice: the default host shape (2x2x1) cannot
+  # describe one chip, and a compile does not care where the hosts are.
+  topology = topologies.get_topology_desc(
+      platform="tpu", topology_name=f"{spec.generation}:{shape}",
+      chips_per_host_bounds=bounds)
+  return list(topology.devices)
+
+
+def target_devices(target: str, count: int) -> tuple[list, str | None]:
+  """(``count`` devices of ``target`` to compile for, warning).
+
+  GPU targets: an N-GPU node of the target (``topology="1xNx1"``), without
+  GPUs; the CPU with a warning where the GPU compiler is missing and this
+  process has ``count`` CPU devices. TPU targets: ``count`` chips of that
+  generation (one of :data:`TPU_TARGETS`' slice shapes), without TPUs. The
+  CPU target: this process's CPU devices
+  (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` makes N).
+
+  Raises:
+    ValueError: for an unknown target, a count that target cannot have, or
+      a missing compiler that nothing stands in for (one line, naming the fix).
+  """
+  _check_target(target)
+  if count < 1:
+    raise ValueError(f"--devices must be >= 1, got {count}")
+  if target in TPU_TARGETS:
+    return _tpu_devices(target, count), None
+  warning = CPU_WARNING
+  if TARGETS[target] is not None:
+    try:
+      from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+      topology = topologies.get_topology_desc(
+          platform="cuda", target_config=(TARGET_DIR / TARGETS[target]).read_text(),
+          topology=f"1x{count}x1")
+      return list(topology.devices), None
+    except Exception as err:  # pylint: disable=broad-except
+      warning = f"GPU compiler unavailable ({type(err).__name__}: {str(err)[:120]}); {CPU_WARNING}"
+  cpus = jax.devices("cpu")
+  if len(cpus) < count:
+    raise ValueError(
+        f"--devices {count} on the CPU needs {count} CPU devices, this process has "
+        f"{len(cpus)} (XLA_FLAGS=--xla_force_host_platform_device_count={count}, or the "
+        "gpu-compile extra for a GPU target)")
+  if TARGETS[target] is not None:
+    warnings.warn(warning)
+  return cpus[:count], warning
+
+
+def default_mesh_shape(devices: int, num_experts: int) -> dict[str, int]:
+  """The planner's default mesh for ``devices``: ``expert = gcd(devices, num_experts)``.
+
+  The expert banks split as far as both counts allow (one expert per device
+  when there are as many experts as devices), and the devices left over
+  split the batch: ``data = devices / expert``.
+
+  Example:
+    >>> default_mesh_shape(8, 8), default_mesh_shape(8, 64), default_mesh_shape(12, 8)
+    ({'data': 1, 'expert': 8}, {'data': 1, 'expert': 8}, {'data': 3, 'expert': 4})
+  """
+  expert = math.gcd(devices, num_experts)
+  return {"data": devices // expert, "expert": expert}
+
+
+def mesh_shape(devices: int, num_experts: int, spec: str | None = None) -> dict[str, int]:
+  """``{"data": a, "expert": b}`` for ``devices`` from a ``--mesh`` spec, or the default.
+
+  An axis left out of ``spec`` takes what the other leaves (``expert``
+  defaults to 1 when only ``data`` is given).
+
+  Raises:
+    ValueError: one line, if the sizes do not multiply to ``devices`` or
+      ``expert`` does not divide ``num_experts``.
+  """
+  if not spec:
+    return default_mesh_shape(devices, num_experts)
+  sizes = mesh_lib.parse_mesh(spec)
+  if "data" in sizes and "expert" not in sizes:
+    sizes["expert"] = devices // sizes["data"] if devices % sizes["data"] == 0 else 0
+  if "expert" in sizes and "data" not in sizes:
+    sizes["data"] = devices // sizes["expert"] if devices % sizes["expert"] == 0 else 0
+  if not sizes or sizes.get("data", 0) * sizes.get("expert", 0) != devices:
+    raise ValueError(f"--mesh {spec} does not fit --devices {devices}: data x expert must "
+                     f"be {devices}")
+  if num_experts % sizes["expert"]:
+    raise ValueError(f"--mesh {spec}: expert={sizes['expert']} does not divide the "
+                     f"{num_experts} experts")
+  return {"data": sizes["data"], "expert": sizes["expert"]}
 
 
 def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
@@ -125,13 +325,21 @@ def abstract_train_step(preset: str, optimizer: str, *, skewadam_tiers: dict | N
                         param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
                         clip_mode: str = "exact", **overrides):
   """(train step, abstract params, abstract optimizer state) as the training command builds them."""
+  train_step, params, opt_state, _ = _abstract_step_and_tx(
+      preset, optimizer, skewadam_tiers=skewadam_tiers, param_dtype=param_dtype,
+      update_in_backward=update_in_backward, clip_mode=clip_mode, **overrides)
+  return train_step, params, opt_state
+
+
+def _abstract_step_and_tx(preset, optimizer, *, skewadam_tiers, param_dtype,
+                          update_in_backward, clip_mode, **overrides):
   _, graphdef, params, rest = abstract_model(preset, param_dtype, **overrides)
   tx = make_tx(optimizer, preset, skewadam_tiers, update_in_backward=update_in_backward)
   if update_in_backward:
     train_step = uib.make_train_step(graphdef, rest, tx, clip_norm=1.0, clip_mode=clip_mode)
-    return train_step, params, jax.eval_shape(lambda p: uib.init(tx, p), params)
+    return train_step, params, jax.eval_shape(lambda p: uib.init(tx, p), params), tx
   train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
-  return train_step, params, jax.eval_shape(tx.init, params)
+  return train_step, params, jax.eval_shape(tx.init, params), tx
 
 
 def with_sharding(tree, sharding):
@@ -139,37 +347,136 @@ def with_sharding(tree, sharding):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
-                 target: str = "a100-40gb", skewadam_tiers: dict | None = None,
-                 param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
-                 clip_mode: str = "exact", **overrides) -> dict:
-  """XLA's memory analysis of the donated train step, compiled for ``target``, and
-  its :func:`matmul_flops`."""
-  train_step, params, opt_state = abstract_train_step(
-      preset, optimizer, skewadam_tiers=skewadam_tiers, param_dtype=param_dtype,
-      update_in_backward=update_in_backward, clip_mode=clip_mode, **overrides)
-  sharding, warning = target_sharding(target)
-  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
-  args = (with_sharding(params, sharding), with_sharding(opt_state, sharding), tokens, tokens)
-  # XLA warns when rematerialisation cannot reach its own memory target; the
-  # report says whether the step fits, so those lines are not passed on.
-  with startup.filtered_stderr(XLA_REMAT_WARNINGS):
-    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args).compile()
+def step_shardings(mesh, preset: str, tx, params, *, update_in_backward: bool = False,
+                   fsdp: bool = False) -> mesh_lib.TrainShardings:
+  """The train step's shardings on ``mesh``, as the training command lays them out.
+
+  The standard step's are :func:`experiments.mesh.train_shardings`'. The
+  update-in-backward step keeps the parameters' and gives its stacked state
+  :func:`experiments.update_in_backward.state_shardings`.
+  """
+  axes = steps_lib.abstract_axes(preset)
+  if not update_in_backward:
+    return mesh_lib.train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp)
+  shardings = mesh_lib.param_shardings(params, mesh, axes=axes, fsdp=fsdp)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return mesh_lib.TrainShardings(
+      mesh=mesh, params=shardings,
+      opt_state=uib.state_shardings(tx, params, shardings, replicated),
+      batch=mesh_lib.batch_sharding(mesh), replicated=replicated)
+
+
+def _analysis(compiled) -> dict:
   analysis = compiled.memory_analysis()
   xla = {"argument": int(analysis.argument_size_in_bytes),
          "output": int(analysis.output_size_in_bytes),
          "alias": int(analysis.alias_size_in_bytes),
          "temp": int(analysis.temp_size_in_bytes)}
   xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
-  return {"xla": xla, "matmul_flops": matmul_flops(train_step, *args), "warning": warning}
+  return xla
+
+
+def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
+                 target: str = "a100-40gb", skewadam_tiers: dict | None = None,
+                 param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
+                 clip_mode: str = "exact", devices: int | None = None,
+                 mesh: dict | None = None, fsdp: bool = False, **overrides) -> dict:
+  """XLA's memory analysis of the donated train step, compiled for ``target``, and
+  its :func:`matmul_flops`.
+
+  With ``devices``: compiled for that many devices of ``target`` on a
+  ``mesh`` (``{"data": a, "expert": b}``, default :func:`default_mesh_shape`)
+  with the training command's shardings (:func:`step_shardings`; ``batch`` is
+  the global batch, split over ``data``); the analysis is then one device's
+  and the result adds ``collective_bytes`` (:func:`experiments.hlo.collective_bytes`,
+  layer loops of unknown trip count taken as the preset's layer count). A
+  TPU target always compiles this way (one chip by default).
+  """
+  train_step, params, opt_state, tx = _abstract_step_and_tx(
+      preset, optimizer, skewadam_tiers=skewadam_tiers, param_dtype=param_dtype,
+      update_in_backward=update_in_backward, clip_mode=clip_mode, **overrides)
+  if devices is None and target in TPU_TARGETS:
+    devices = 1
+  if devices is None:
+    sharding, warning = target_sharding(target)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
+    args = (with_sharding(params, sharding), with_sharding(opt_state, sharding), tokens, tokens)
+    # XLA warns when rematerialisation cannot reach its own memory target; the
+    # report says whether the step fits, so those lines are not passed on.
+    with startup.filtered_stderr(XLA_REMAT_WARNINGS):
+      compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args).compile()
+    return {"xla": _analysis(compiled), "matmul_flops": matmul_flops(train_step, *args),
+            "device_matmul_flops": hlo.device_matmul_flops(
+                compiled.as_text(), models.get_preset(preset, **overrides).num_layers),
+            "warning": warning}
+
+  config = models.get_preset(preset, **overrides)
+  mesh = mesh or default_mesh_shape(devices, config.num_experts)
+  if batch % mesh["data"]:
+    raise ValueError(f"--batch {batch} does not split over the mesh's data={mesh['data']}")
+  device_list, warning = target_devices(target, devices)
+  device_mesh = mesh_lib.make_mesh(mesh["data"], mesh["expert"], devices=device_list)
+  shardings = step_shardings(device_mesh, preset, tx, params,
+                             update_in_backward=update_in_backward, fsdp=fsdp)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  try:
+    with startup.filtered_stderr(XLA_REMAT_WARNINGS):
+      compiled = mesh_lib.sharded_train_step(train_step, shardings).lower(
+          params, opt_state, tokens, tokens, {}).compile()
+  except jax.errors.JaxRuntimeError as err:
+    # XLA:TPU still refuses a single buffer larger than the chip's memory.
+    if target not in TPU_TARGETS or "RESOURCE_EXHAUSTED" not in str(err):
+      raise
+    return {"xla": None, "out_of_memory": str(err).splitlines()[0][:300],
+            "matmul_flops": matmul_flops(train_step, params, opt_state, tokens, tokens),
+            "device_matmul_flops": None, "collectives": None, "warning": warning}
+  text = compiled.as_text()
+  return {"xla": _analysis(compiled),
+          "matmul_flops": matmul_flops(train_step, params, opt_state, tokens, tokens),
+          "device_matmul_flops": hlo.device_matmul_flops(text, config.num_layers),
+          "collectives": hlo.collective_bytes(text, default_trip_count=config.num_layers),
+          "warning": warning,
+          "per_device_param_bytes": _shard_bytes(params, shardings.params),
+          "per_device_opt_state_bytes": _shard_bytes(opt_state, shardings.opt_state)}
+
+
+def _shard_bytes(tree, shardings) -> int:
+  return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def useful_flops(config, batch: int, seq: int) -> int:
+  """FLOPs a step of ``config`` needs at ``batch`` x ``seq``, without waste.
+
+  ``6 · N_active · B · T + 6 · L · B · T² · D``: forward (2 per multiply-add)
+  and backward (twice the forward) over the parameters a token uses
+  (``N_active``: all but the input embedding, a lookup, and the ``E − k`` of
+  ``E`` experts a token skips), plus causal attention: ``QKᵀ`` and ``AV`` are
+  ``2 · B · T² · D`` each per layer forward, halved by the causal mask, times
+  3 for forward and backward (``12 · L · D · T² · B / 2``). Recomputation
+  (remat), padding and dense masked work are what this leaves out.
+
+  Example:
+    >>> cfg = models.get_preset("tiny")
+    >>> useful_flops(cfg, 1, 1) == 6 * (models.count_params(cfg)["total"] - 256 * 32
+    ...     - models.count_params(cfg)["expert"] // 2) + 6 * 2 * 32
+    True
+  """
+  counts = models.count_params(config)
+  skipped = counts["expert"] * (config.num_experts - config.top_k) // config.num_experts
+  active = counts["total"] - config.vocab_size * config.d_model - skipped
+  tokens = batch * seq
+  return 6 * active * tokens + 6 * config.num_layers * batch * seq * seq * config.d_model
 
 
 def matmul_flops(fn, *args) -> int:
   """Matrix-multiply FLOPs of one call of ``fn(*args)``, counted from its jaxpr.
 
   ``2 · |output| · |contracted axes|`` per ``dot_general`` (and ``ragged_dot``
-  as if dense), each ``scan`` body times its length, the larger branch of a
-  ``cond``, every rematerialised recompute where the backward pass has it.
+  as if dense), each ``scan`` body times its length, a ``shard_map`` body
+  times its number of shards (the body sees one shard's shapes), the larger
+  branch of a ``cond``, every rematerialised recompute where the backward
+  pass has it: the whole step's count, however it is partitioned.
   Not XLA's compiled ``cost_analysis()``: that counts a loop body once,
   whatever its trip count, so a scanned layer stack would look as cheap as one
   layer. Elementwise work (norms, softmax, the optimizer update) is left out:
@@ -208,9 +515,18 @@ def _jaxpr_matmul_flops(jaxpr) -> int:
       total += max(subs)
     elif name == "scan":
       total += eqn.params["length"] * sum(subs)
+    elif name == "shard_map":  # the body's shapes are one shard's; every shard runs it
+      sizes = dict(eqn.params["mesh"].shape)
+      manual = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes", sizes))
+      total += math.prod(sizes[a] for a in manual) * sum(subs)
     else:
       total += sum(subs)
   return total
+
+
+def _peak(compiled: dict) -> int | None:
+  """The compiled step's peak, or None where XLA:TPU refused it for lack of memory."""
+  return None if compiled["xla"] is None else compiled["xla"]["peak"]
 
 
 def _fits(peak: int, device_bytes: int | None, margin_bytes: int) -> bool | None:
@@ -241,12 +557,17 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
          seq: int | None = None, margin_gb: float = 2.0, skewadam_tiers: dict | None = None,
          param_dtype: Any = jnp.bfloat16, search_batch: bool = True,
          update_in_backward: bool = False, clip_mode: str = "exact",
-         device_memory_gb: float | None = None, progress=None) -> dict:
+         device_memory_gb: float | None = None, devices: int | None = None,
+         mesh: str | None = None, fsdp: bool = False, progress=None) -> dict:
   """The planner's report (see the module docstring); JSON-serialisable.
 
   ``device_memory_gb`` checks the fit against a device of that size instead
   of the target's own memory (same margin rule), e.g. 24 for a 24 GB card.
-  ``progress(message)``, if given, is told about each compile.
+  ``devices``, ``mesh`` (a ``--mesh`` spec such as ``"data=2,expert=4"``;
+  default :func:`default_mesh_shape`) and ``fsdp``: plan the step sharded
+  over that many devices (:func:`compile_step`); ``batch`` and the largest
+  batch that fits are then global, searched over multiples of the ``data``
+  size. ``progress(message)``, if given, is told about each compile.
   """
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
@@ -254,7 +575,21 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     raise ValueError(f"--clip-mode must be one of {', '.join(uib.CLIP_MODES)}, got {clip_mode!r}")
   if device_memory_gb is not None and not device_memory_gb > 0:
     raise ValueError(f"--device-memory-gb must be > 0, got {device_memory_gb}")
+  _check_target(target)
+  if devices is not None and devices < 1:
+    raise ValueError(f"--devices must be >= 1, got {devices}")
+  if devices is None and (mesh or fsdp):
+    raise ValueError("--mesh and --fsdp need --devices")
   config, _, params, _ = abstract_model(preset, param_dtype)
+  if devices is None and target in TPU_TARGETS:
+    devices = 1
+  if target in TPU_TARGETS:
+    check_tpu_target(target, devices)
+  mesh_sizes = None if devices is None else mesh_shape(devices, config.num_experts, mesh)
+  data = mesh_sizes["data"] if mesh_sizes else 1
+  if batch % data:
+    raise ValueError(f"--batch {batch} does not split over the mesh's data={data}: "
+                     f"use a multiple of {data}")
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:
     raise ValueError(f"--seq must be in [1, {config.max_seq_len}] for {preset}, got {seq}")
@@ -272,47 +607,72 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     grad_bytes = param_bytes
   step_options = dict(seq=seq, target=target, skewadam_tiers=skewadam_tiers,
                       param_dtype=param_dtype, update_in_backward=update_in_backward,
-                      clip_mode=clip_mode)
+                      clip_mode=clip_mode, devices=devices, mesh=mesh_sizes, fsdp=fsdp)
+  where = target if devices is None else f"{devices} x {target}"
 
   def compile_at(b):
     if progress:
-      progress(f"compiling the train step at batch {b} x {seq} for {target}")
+      progress(f"compiling the train step at batch {b} x {seq} for {where}")
     return compile_step(preset, optimizer, batch=b, **step_options)
 
   compiled = compile_at(batch)
   device_bytes = (int(device_memory_gb * GB) if device_memory_gb is not None
                   else target_device_bytes(target))
   margin_bytes = int(margin_gb * GB)
+  peak = _peak(compiled)
+  counted = compiled["matmul_flops"]
+  useful = useful_flops(config, batch, seq)
+  collectives = compiled.get("collectives")
+  device_flops = compiled["device_matmul_flops"]
   report = {
       "preset": preset, "optimizer": optimizer, "skewadam_tiers": skewadam_tiers or {},
       "target": target, "batch": batch, "seq": seq,
       "param_dtype": jnp.dtype(param_dtype).name,
       "update_in_backward": update_in_backward,
       "clip_mode": clip_mode if update_in_backward else None,
+      "devices": devices or 1, "mesh": mesh_sizes, "fsdp": fsdp if devices else None,
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
       "param_bytes": param_bytes, "grad_bytes": grad_bytes,
       "opt_state_bytes": state_by_tier["total"], "opt_state_bytes_by_tier": state_by_tier,
-      "xla": {k: v for k, v in compiled["xla"].items() if k != "peak"},
-      "matmul_flops": compiled["matmul_flops"],
-      "peak_bytes": compiled["xla"]["peak"],
+      "per_device_param_bytes": compiled.get("per_device_param_bytes", param_bytes),
+      "per_device_opt_state_bytes": compiled.get("per_device_opt_state_bytes",
+                                                 state_by_tier["total"]),
+      "xla": {k: v for k, v in (compiled["xla"] or {}).items() if k != "peak"} or None,
+      "matmul_flops": counted, "useful_flops": useful,
+      "flops_efficiency": useful / counted if counted else None,
+      "device_matmul_flops": device_flops,
+      "hardware_flops_efficiency": (useful / ((devices or 1) * device_flops)
+                                    if device_flops else None),
+      "collective_bytes": collectives.bytes if collectives else None,
+      "collective_counts": collectives.counts if collectives else None,
+      "collective_loop_trip_counts": collectives.trip_counts if collectives else None,
+      "peak_bytes": peak, "per_device_peak_bytes": peak,
       "device_bytes": device_bytes, "margin_bytes": margin_bytes,
-      "fits": _fits(compiled["xla"]["peak"], device_bytes, margin_bytes),
+      "fits": False if peak is None else _fits(peak, device_bytes, margin_bytes),
       "max_batch_that_fits": None,
       "compiled_for": "cpu" if compiled["warning"] else target,
       "warning": compiled["warning"],
   }
+  if compiled.get("out_of_memory"):
+    report["out_of_memory"] = compiled["out_of_memory"]
+  if collectives and collectives.assumed_trip_counts:
+    report["collective_assumed_trip_counts"] = collectives.assumed_trip_counts
   if search_batch and device_bytes is not None:
-    peaks = {batch: compiled["xla"]["peak"]}
+    peaks = {batch: peak}
 
-    def peak_at(b):
+    def peak_at(multiple):  # the global batch is a multiple of the data size
+      b = multiple * data
       if b not in peaks:
-        peaks[b] = compile_at(b)["xla"]["peak"]
+        peaks[b] = _peak(compile_at(b))
         if progress:
-          verdict = "fits" if _fits(peaks[b], device_bytes, margin_bytes) else "does not fit"
-          progress(f"batch {b}: peak {peaks[b] / GB:.2f} GB, {verdict}")
-      return peaks[b]
+          verdict = ("fits" if peaks[b] is not None and _fits(peaks[b], device_bytes, margin_bytes)
+                     else "does not fit")
+          shown = "out of memory" if peaks[b] is None else f"{peaks[b] / GB:.2f} GB"
+          progress(f"batch {b}: peak {shown}, {verdict}")
+      return math.inf if peaks[b] is None else peaks[b]
 
-    report["max_batch_that_fits"] = max_batch_that_fits(peak_at, device_bytes, margin_bytes)
+    report["max_batch_that_fits"] = data * max_batch_that_fits(
+        peak_at, device_bytes, margin_bytes, limit=max(1, 1024 // data))
     report["peak_bytes_by_batch"] = {str(b): p for b, p in sorted(peaks.items())}
   return report
 
@@ -331,4 +691,38 @@ def markdown_table(reports: Sequence[dict]) -> str:
     lines.append(f"| {r['optimizer']} | {config} | {r['opt_state_bytes'] / GB:.2f} GB "
                  f"| {r['peak_bytes'] / GB:.2f} GB | {'yes' if r['fits'] else 'no'} "
                  f"| {r['max_batch_that_fits']} |")
+  return "\n".join(lines)
+
+
+def _gb(nbytes) -> str:
+  return "—" if nbytes is None else f"{nbytes / GB:.2f} GB"
+
+
+def markdown_devices_table(reports: Sequence[dict]) -> str:
+  """A Markdown table of ``--devices`` planner reports: one device's bytes, the step's traffic.
+
+  Columns: the mesh, one device's parameters + optimizer state, its peak at
+  the report's global batch, the fit, the largest global batch that fits,
+  the bytes each collective kind handles on one device per step
+  (all-gather / reduce-scatter / all-reduce / all-to-all), and
+  ``useful / counted`` FLOPs then ``useful / (devices × one device's)``.
+  """
+  lines = ["| preset | optimizer | step | devices, mesh | params + state per device "
+           "| peak per device (batch) | fits | largest batch | AG / RS / AR / A2A per device "
+           "per step | FLOPs efficiency: step, hardware |", "|---" * 10 + "|"]
+  for r in reports:
+    step = "in backward" if r.get("update_in_backward") else "standard"
+    mesh = r.get("mesh") or {"data": 1, "expert": 1}
+    layout = (f"{r.get('devices', 1)} x {r['target']}, data={mesh['data']} x "
+              f"expert={mesh['expert']}{', fsdp' if r.get('fsdp') else ''}")
+    held = r["per_device_param_bytes"] + r["per_device_opt_state_bytes"]
+    moved = r.get("collective_bytes") or {}
+    traffic = " / ".join(f"{moved.get(kind, 0) / GB:,.1f}" for kind in
+                         ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")) + " GB"
+    hardware = r.get("hardware_flops_efficiency")
+    efficiency = (f"{r['flops_efficiency']:.2f}, "
+                  f"{'—' if hardware is None else f'{hardware:.3f}'}")
+    lines.append(f"| {r['preset']} | {r['optimizer']} | {step} | {layout} | {_gb(held)} "
+                 f"| {_gb(r['peak_bytes'])} ({r['batch']}) | {'yes' if r['fits'] else 'no'} "
+                 f"| {r['max_batch_that_fits']} | {traffic} | {efficiency} |")
   return "\n".join(lines)

@@ -156,6 +156,45 @@ def init(tx: optax.GradientTransformation, params) -> InBackwardState:
       last_finite=jnp.array(True), total_notfinite=jnp.zeros((), jnp.int32))
 
 
+def state_shardings(tx: optax.GradientTransformation, params, param_shardings, replicated):
+  """The shardings of :func:`init`'s state, from the parameters' (nothing allocated).
+
+  Each layer's slice of the state is sharded as the standard step's state of
+  that slice would be (:func:`skewadam_jax.state_shardings` on the slice's
+  parameters and their shardings, the stacked parameters' specs without
+  the layer axis); the stack then adds a leading unsplit ``L`` axis, which the
+  reverse scan indexes. The outer parameters' state follows theirs; the norm
+  and skip counters are ``replicated``.
+
+  Args:
+    tx: the per-slice optimizer (as for :func:`init`).
+    params: the parameters or their ``ShapeDtypeStruct`` s.
+    param_shardings: ``NamedSharding`` s with the structure of ``params``;
+      the stacked parameters' layer axis must not be split (it is scanned).
+    replicated: the sharding of scalars (a ``NamedSharding`` with ``P()``).
+
+  Raises:
+    ValueError: naming the parameter, if its layer axis is split.
+  """
+  layer_part, outer_part = split_layers(params)
+  layer_shardings, outer_shardings = split_layers(param_shardings)
+  for path, sharding in jax.tree_util.tree_flatten_with_path(layer_shardings)[0]:
+    if sharding.spec and sharding.spec[0] is not None:
+      raise ValueError(f"parameter {model_axes.path_to_str(path)!r}: its layer axis is split "
+                       f"({sharding.spec}); the update-in-backward step scans over it")
+  slice_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), layer_part)
+  slice_shardings = jax.tree.map(
+      lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:])),
+      layer_shardings)
+  stacked = jax.tree.map(
+      lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec)),
+      skewadam_jax.state_shardings(tx, slice_params, slice_shardings))
+  return InBackwardState(
+      layers=stacked, outer=skewadam_jax.state_shardings(tx, outer_part, outer_shardings),
+      grad_norm=replicated, notfinite_count=replicated, last_finite=replicated,
+      total_notfinite=replicated)
+
+
 def _probe_tree(params, size: int = 3):
   """Small random stand-ins for ``params``: each axis cut to ``size``, paths kept."""
   leaves, treedef = jax.tree.flatten(params)

@@ -128,6 +128,15 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=32768, d_model=1024, num_layers=24, num_heads=16,
         num_experts=64, top_k=8, d_ff=1400, max_seq_len=2048,
         moe_impl='blocked', moe_block_size=256),
+    # Mixtral-8x7B-shaped (full multi-head attention, no grouped-query heads):
+    # 47,508,099,072 parameters (backbone 2,409,893,888 + experts
+    # 45,097,156,608 + routers 1,048,576), 13,685,231,616 used per token (top-2
+    # of 8); bf16 compute, blocked MoE and per-layer remat as moe-6.78b. Planned on
+    # eight 40 GB GPUs by the memory planner (README, Scaling out).
+    'moe-47b': ModelConfig(
+        vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+        num_experts=8, top_k=2, d_ff=14336, max_seq_len=2048,
+        moe_impl='blocked', moe_block_size=256),
 }
 
 

@@ -1,18 +1,21 @@
-"""A quiet JAX start where JAX's CUDA plugin is installed but no NVIDIA GPU is.
+"""A quiet JAX start where an accelerator plugin is installed but no accelerator is.
 
 Installing the CUDA plugin (e.g. for deviceless XLA:GPU compilation) on a
 machine without a GPU makes every ``import jax`` print absl's
 ``All log messages before absl::InitializeLog()`` warning and
 ``cudart_stub.cc ... Could not find cuda drivers`` lines from C++, and the
 first computation print a 19-line plugin traceback before JAX falls back to
-the CPU. :func:`quiet_jax_start` (run when this package is imported, before
-it imports JAX) avoids both in exactly that case: it chooses the CPU (what
-JAX falls back to anyway; an explicit ``JAX_PLATFORMS`` always wins, and a
-machine with a TPU runtime is left alone) and imports JAX with those known
-lines filtered out of the process's standard error. Every other line still
-reaches it. On a machine with a GPU it does nothing. Import this package
-before JAX for a silent start: JAX prints its first lines while it is
-imported.
+the CPU. Installing ``libtpu`` (for ahead-of-time XLA:TPU compilation) on a
+machine without a TPU makes that first computation print libtpu's
+host-bounds and worker-hostname errors instead. :func:`quiet_jax_start`
+(run when this package is imported, before it imports JAX) avoids both in
+exactly that case (:func:`accelerator_plugin_without_device`): it chooses
+the CPU (what JAX falls back to anyway; an explicit ``JAX_PLATFORMS``
+always wins) and imports JAX with the CUDA plugin's known lines filtered
+out of the process's standard error. Every other line still reaches it. On
+a machine with an NVIDIA GPU or a TPU attached it does nothing. Import this
+package before JAX for a silent start: JAX prints its first lines while it
+is imported.
 
 :func:`filtered_stderr` is the filter itself, for other known-noise lines
 (the memory planner drops XLA's rematerialisation warnings with it).
@@ -21,6 +24,7 @@ imported.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import os
 import re
@@ -35,15 +39,62 @@ CUDA_PLUGIN_NOISE = (
 )
 
 
-def cuda_plugin_without_gpu() -> bool:
-  """Whether JAX's CUDA plugin is installed on a machine without an NVIDIA GPU or TPU."""
+# PCI ids of TPU chips (Google's vendor id; the device ids JAX itself checks in
+# jax._src.hardware_utils: v3, v4, v5p, v5e, v6e, 7x and one unnamed). Google's
+# other PCI devices (the gVNIC network card) are not TPUs.
+GOOGLE_PCI_VENDOR_ID = "0x1ae0"
+TPU_PCI_DEVICE_IDS = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f",
+                                "0x0076"})
+
+
+def _has_module(name: str) -> bool:
   try:
-    has_cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # no jax_plugins package at all
-    has_cuda_plugin = False
-  has_nvidia_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
-  has_tpu = importlib.util.find_spec("libtpu") is not None
-  return has_cuda_plugin and not has_nvidia_gpu and not has_tpu
+    return importlib.util.find_spec(name) is not None
+  except ModuleNotFoundError:  # a parent package is missing
+    return False
+
+
+def nvidia_gpu_present() -> bool:
+  """Whether an NVIDIA GPU driver is loaded on this machine."""
+  return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
+
+
+def tpu_present(root: str = "/") -> bool:
+  """Whether a TPU chip is attached to this machine.
+
+  A PCI device with Google's vendor id and a TPU device id (the check JAX
+  makes before starting libtpu), or the device files TPU VMs expose
+  (``/dev/accel*``, ``/dev/vfio/<group>``). Having the ``libtpu`` package
+  installed is not enough: the memory planner's TPU targets need it on
+  machines without a TPU. ``root`` is the file-system root to look under.
+
+  Example:
+    >>> tpu_present(root="/nonexistent")
+    False
+  """
+  for vendor_path in glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor")):
+    try:
+      with open(vendor_path) as f:
+        vendor = f.read().strip()
+      if vendor != GOOGLE_PCI_VENDOR_ID:
+        continue
+      with open(os.path.join(os.path.dirname(vendor_path), "device")) as f:
+        if f.read().strip() in TPU_PCI_DEVICE_IDS:
+          return True
+    except OSError:
+      continue
+  return bool(glob.glob(os.path.join(root, "dev/accel*"))
+              or glob.glob(os.path.join(root, "dev/vfio/[0-9]*")))
+
+
+def accelerator_plugin_without_device() -> bool:
+  """Whether JAX's CUDA plugin or libtpu is installed but no NVIDIA GPU or TPU is attached.
+
+  There JAX would try to start the plugin's backend, print its failure and
+  fall back to the CPU.
+  """
+  has_plugin = _has_module("jax_plugins.xla_cuda12") or _has_module("libtpu")
+  return has_plugin and not nvidia_gpu_present() and not tpu_present()
 
 
 @contextlib.contextmanager
@@ -79,16 +130,16 @@ def filtered_stderr(patterns: Sequence[str]) -> Iterator[None]:
 
 
 def quiet_jax_start() -> None:
-  """Starts JAX on the CPU without the CUDA plugin's noise, where there is no GPU.
+  """Starts JAX on the CPU without the accelerator plugins' noise, where there is no accelerator.
 
-  A no-op unless :func:`cuda_plugin_without_gpu`. Imports JAX (if it is not
+  A no-op unless :func:`accelerator_plugin_without_device`. Imports JAX (if it is not
   imported yet) and registers its plugins inside the filter (they print again
   when they are loaded); no backend is started, so ``jax.distributed.initialize``
   and platform choices made later still work. Imported after JAX, it can no
   longer hide JAX's import-time lines, but still avoids the traceback of the
   first computation, as long as no backend has started.
   """
-  if not cuda_plugin_without_gpu():
+  if not accelerator_plugin_without_device():
     return
   with filtered_stderr(CUDA_PLUGIN_NOISE):
     import jax  # pylint: disable=import-outside-toplevel

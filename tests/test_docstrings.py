@@ -31,7 +31,8 @@ def test_every_public_name_is_documented():
 @pytest.mark.parametrize("name", ["models.axes", "experiments.metrics_log",
                                   "experiments.distributed", "experiments.optimizers",
                                   "experiments.update_in_backward", "experiments.monitoring",
-                                  "experiments.sampling"])
+                                  "experiments.sampling", "experiments.hlo",
+                                  "experiments.planner"])
 def test_model_and_experiment_library_examples(name):
   result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
   assert result.failed == 0

@@ -145,3 +145,21 @@ def test_filtered_stderr_drops_only_the_known_lines(capfd):
     os.write(2, b"I0000 00:00:1.0 1 cudart_stub.cc:31] Could not find cuda drivers on "
                 b"your machine, GPU will not be used.\nkept from C++\n")
   assert capfd.readouterr().err == "kept from C++\n"
+
+
+def test_a_tpu_is_a_tpu_pci_device_not_the_libtpu_package(tmp_path):
+  # libtpu (the tpu-compile extra) installed without a TPU must not count as a
+  # TPU machine: JAX would then try to start libtpu and print its errors.
+  from skewadam_jax import startup  # pylint: disable=import-outside-toplevel
+  assert not startup.tpu_present(root=str(tmp_path))
+  device = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+  device.mkdir(parents=True)
+  (device / "vendor").write_text("0x1ae0\n")
+  (device / "device").write_text("0x0042\n")  # Google's gVNIC network card
+  assert not startup.tpu_present(root=str(tmp_path))
+  (device / "device").write_text("0x006f\n")  # a TPU v6e chip
+  assert startup.tpu_present(root=str(tmp_path))
+  (device / "device").write_text("0x0042\n")
+  (tmp_path / "dev").mkdir()
+  (tmp_path / "dev/accel0").write_text("")
+  assert startup.tpu_present(root=str(tmp_path))

@@ -1,13 +1,19 @@
 """The memory planner: exact state bytes, XLA's analysis for a GPU target, the batch search."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models
 import skewadam_jax
+from experiments import hlo
 from experiments import memory
 from experiments import planner
 from experiments import optimizers
@@ -113,3 +119,172 @@ def test_tier_flags_become_skewadam_tier_configs():
   assert memory._parse_tiers(args) == {  # pylint: disable=protected-access
       "expert": {"momentum": "int8"},
       "backbone": {"momentum": "fp32", "second_moment": "exact"}}
+
+
+# --------------------------------------------------------------------------
+# Past one device: --devices, collective bytes, FLOPs, TPU targets.
+# --------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# A while loop of 7 iterations with one all-reduce of f32[16] (64 bytes) in its
+# body, the trip count left for the parser to find in the loop's condition.
+LOOP_HLO = """HloModule loop
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[16]{0} get-tuple-element(%p), index=1
+  %reduced = f32[16]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[16]{0}) tuple(%next, %reduced)
+}
+
+%cond (q: (s32[], f32[16])) -> pred[] {
+  %q = (s32[], f32[16]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %limit = s32[] constant(7)
+  ROOT %less = pred[] compare(%j, %limit), direction=LT
+}
+
+ENTRY %main (x0: f32[16]) -> f32[16] {
+  %x0 = f32[16]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[16]{0}) tuple(%zero, %x0)
+  %loop = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body
+  ROOT %y = f32[16]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_collective_bytes_multiply_loop_bodies_by_their_trip_count():
+  report = hlo.collective_bytes(LOOP_HLO)
+  assert report.bytes["all-reduce"] == 7 * 64 and report.counts["all-reduce"] == 7
+  assert report.trip_counts == {"loop": 7} and report.assumed_trip_counts == []
+  known = LOOP_HLO.replace("body=%body",
+                           'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+  assert hlo.collective_bytes(known).bytes["all-reduce"] == 3 * 64  # XLA's own count first
+  unknown = LOOP_HLO.replace("constant(7)", "parameter(1)")
+  report = hlo.collective_bytes(unknown, default_trip_count=4)
+  assert report.bytes["all-reduce"] == 4 * 64 and report.assumed_trip_counts == ["loop"]
+  assert hlo.array_bytes("(bf16[2,3]{1,0}, pred[5], token[])") == 17
+
+
+def test_collective_bytes_of_known_collectives_on_8_cpu_devices():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_collectives_worker.py")],
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  shard, gathered = 8 * 128 * 4, 64 * 128 * 4  # f32[8,128] per device, f32[64,128] gathered
+  assert result["known"]["bytes"] == {
+      "all-reduce": 5 * shard, "all-to-all": 5 * shard, "all-gather": gathered,
+      "reduce-scatter": gathered, "collective-permute": shard}
+  assert result["known"]["trip_counts"] == [5] and result["known"]["assumed"] == []
+  # The update-in-backward step shards cleanly: its stacked state follows
+  # each slice's sharding with the layer axis unsplit, and 2 sharded steps
+  # give the one-device parameters.
+  uib_result = result["update_in_backward"]
+  assert uib_result["misplaced"] == []
+  assert uib_result["expert_momentum_spec"] == ["None", "expert", "None", "None"]
+  assert uib_result["max_param_diff"] < 1e-5
+
+
+def test_useful_flops_and_the_mesh_defaults():
+  config = models.get_preset("moe-47b")
+  # 6 x 13,554,159,616 params a token uses (input embedding excluded) x 16,384 tokens
+  # + 6 x 32 layers x 8 x 2048^2 x 4096 for causal attention.
+  assert planner.useful_flops(config, 8, 2048) == (6 * 13_554_159_616 * 8 * 2048
+                                                   + 6 * 32 * 8 * 2048**2 * 4096)
+  assert planner.default_mesh_shape(8, 8) == {"data": 1, "expert": 8}
+  assert planner.default_mesh_shape(8, 64) == {"data": 1, "expert": 8}
+  assert planner.mesh_shape(8, 8, "data=2") == {"data": 2, "expert": 4}
+  assert planner.mesh_shape(8, 8, "expert=2") == {"data": 4, "expert": 2}
+  with pytest.raises(ValueError, match="does not fit --devices 8"):
+    planner.mesh_shape(8, 8, "data=3,expert=2")
+  with pytest.raises(ValueError, match="does not divide the 4 experts"):
+    planner.mesh_shape(8, 4, "data=1,expert=8")
+
+
+def test_devices_plan_of_tiny_on_the_gpu_target():
+  # The update-in-backward step's sharding runs in _collectives_worker.py.
+  if not planner.gpu_compile_available("a100-40gb"):
+    pytest.skip("gpu-compile extra not installed: cannot compile for the A100 target here")
+  report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
+                        search_batch=False)
+  assert report["devices"] == 8 and report["mesh"] == {"data": 2, "expert": 4}
+  assert report["warning"] is None and report["fits"]
+  # Parameters and state are donated: one device's shards alias its outputs.
+  xla = report["xla"]
+  assert xla["alias"] == report["per_device_param_bytes"] + report["per_device_opt_state_bytes"]
+  assert report["per_device_peak_bytes"] == report["peak_bytes"]
+  assert report["per_device_param_bytes"] < report["param_bytes"]
+  # Gradients of replicated parameters are all-reduced over data, inside the layer loops.
+  assert report["collective_bytes"]["all-reduce"] > 0
+  assert set(report["collective_loop_trip_counts"].values()) == {2}  # tiny's 2 layers
+  # Devices that share a data shard repeat its dense work: the hardware does more.
+  assert 0 < report["hardware_flops_efficiency"] < report["flops_efficiency"] < 1
+  table = planner.markdown_devices_table([report]).splitlines()
+  assert len(table) == 3 and "| 8 x a100-40gb, data=2 x expert=4 |" in table[2]
+
+
+def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
+  def fake_compile(preset, optimizer, *, batch, mesh, **_):
+    assert batch % mesh["data"] == 0
+    if batch >= 40:  # as XLA:TPU answers a buffer larger than the chip
+      return {"xla": None, "out_of_memory": "RESOURCE_EXHAUSTED", "matmul_flops": 1,
+              "device_matmul_flops": None, "warning": None}
+    return {"xla": {"argument": 0, "output": 0, "alias": 0, "temp": 0, "peak": 10 + 3 * batch},
+            "matmul_flops": 1, "device_matmul_flops": 1, "warning": None}
+  monkeypatch.setattr(planner, "compile_step", fake_compile)
+  report = planner.plan("tiny", "adamw", target="a100-40gb", devices=8, mesh="data=4", batch=4,
+                        seq=16, device_memory_gb=100e-9, margin_gb=0)
+  assert report["max_batch_that_fits"] == 28  # 10 + 3b <= 100: b <= 30, in steps of 4
+  assert all(int(b) % 4 == 0 for b in report["peak_bytes_by_batch"])
+  report = planner.plan("tiny", "adamw", target="a100-40gb", devices=8, mesh="data=4", batch=4,
+                        seq=16, device_memory_gb=1000e-9, margin_gb=0)
+  assert report["max_batch_that_fits"] == 36  # out of memory from 40 on
+  report = planner.plan("tiny", "adamw", target="a100-40gb", devices=8, mesh="data=4", batch=40,
+                        seq=16, device_memory_gb=1000e-9, search_batch=False)
+  assert report["fits"] is False and report["xla"] is None and report["peak_bytes"] is None
+
+
+def test_tpu_target_compiles_tiny_on_four_chips(monkeypatch):
+  if not planner.tpu_compile_available():
+    pytest.skip("libtpu (the tpu-compile extra) not installed")
+  # What the planner sets for libtpu, undone after the test.
+  for name, value in (("TPU_ACCELERATOR_TYPE", "v6e-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+                      ("LIBTPU_INIT_ARGS", "--xla_tpu_no_crash_on_oom=true")):
+    monkeypatch.setenv(name, value)
+  report = planner.plan("tiny", "skewadam", target="tpu-v6e", devices=4, batch=4, seq=16,
+                        search_batch=False)
+  assert report["compiled_for"] == "tpu-v6e" and report["device_bytes"] == 32 * 10**9
+  assert report["mesh"] == {"data": 1, "expert": 4} and report["fits"]
+  assert report["xla"]["alias"] > 0 and report["device_matmul_flops"] is None
+
+
+def test_bad_devices_flags_fail_with_one_line(capsys):
+  base = ["--preset", "tiny", "--seq", "16", "--no-search"]
+  cases = [(["--devices", "8", "--mesh", "data=3,expert=2"], "does not fit --devices 8"),
+           (["--devices", "8", "--batch", "3"], "--batch 3 does not split over the mesh's data=2"),
+           (["--mesh", "data=2"], "--mesh and --fsdp need --devices"),
+           (["--devices", "0"], "--devices must be >= 1"),
+           (["--target", "tpu-v6e", "--devices", "3"], "not a tpu-v6e slice"),
+           (["--target", "h100-40gb", "--devices", "8"], "unknown target 'h100-40gb'")]
+  if not planner.tpu_compile_available():
+    cases.append((["--target", "tpu-v5e"], "needs libtpu, the TPU compiler: pip install -e "
+                                           "'.[tpu-compile]'"))
+  for flags, message in cases:
+    assert memory.main(base + flags) == 2, flags
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

@@ -97,6 +97,13 @@ def test_count_moe_6_78b():
                     'expert': 6_606_028_800, 'router': 1_572_864}
 
 
+def test_count_moe_47b():
+  # Mixtral-8x7B's shape with full multi-head attention (no grouped-query heads).
+  counts = count_params(get_preset('moe-47b'))
+  assert counts == {'total': 47_508_099_072, 'backbone': 2_409_893_888,
+                    'expert': 45_097_156_608, 'router': 1_048_576}
+
+
 def _check_contract(paths, cfg):
   L, D, E, F = cfg.num_layers, cfg.d_model, cfg.num_experts, cfg.d_ff
   routers = {p: s for p, s in paths.items() if 'router' in p.split('/')}

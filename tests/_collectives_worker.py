@@ -1,0 +1,111 @@
+"""Checks on 8 simulated CPU devices, run by tests/test_memory.py in a subprocess.
+
+The device count is fixed when JAX starts, so this runs in its own process
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints one JSON
+object: the collective bytes :mod:`experiments.hlo` reads from a function
+with a known set of collectives, and the update-in-backward step of ``tiny``
+sharded as the planner lays it out (:func:`experiments.planner.step_shardings`,
+:func:`experiments.update_in_backward.state_shardings`) against the same
+steps on one device. Standalone:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_collectives_worker.py
+"""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import skewadam_jax  # noqa: E402,F401  (first: a quiet JAX start)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import models  # noqa: E402
+from experiments import hlo  # noqa: E402
+from experiments import mesh as mesh_lib  # noqa: E402
+from experiments import optimizers  # noqa: E402
+from experiments import parallel  # noqa: E402
+from experiments import planner  # noqa: E402
+from experiments import update_in_backward as uib  # noqa: E402
+
+LOOP = 5  # trip count of the scan holding an all-reduce and an all-to-all
+
+
+def known_collectives() -> dict:
+  """Collective bytes of a function whose collectives are known exactly.
+
+  Per device the shard is f32[8, 128] (4,096 bytes): 5 loop iterations of an
+  all-reduce and an all-to-all of it, then one all-gather to f32[64, 128]
+  (32,768 bytes), one reduce-scatter back and one collective-permute.
+  """
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("x",))
+
+  def body(x):
+    def step(carry, _):
+      carry = jax.lax.psum(carry, "x") * 0.5
+      return jax.lax.all_to_all(carry, "x", 0, 0, tiled=True), None
+    y, _ = jax.lax.scan(step, x, None, length=LOOP)
+    gathered = jax.lax.all_gather(y, "x", tiled=True)
+    scattered = jax.lax.psum_scatter(gathered, "x", tiled=True)
+    return jax.lax.ppermute(scattered, "x", [(i, (i + 1) % 8) for i in range(8)])
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  report = hlo.collective_bytes(fn.lower(x).compile().as_text())
+  return {"bytes": report.bytes, "counts": report.counts,
+          "trip_counts": sorted(report.trip_counts.values()),
+          "assumed": report.assumed_trip_counts}
+
+
+def update_in_backward_sharded(steps: int = 2) -> dict:
+  """The update-in-backward step of ``tiny`` on a data=2 x expert=4 mesh against one device."""
+  config = models.get_preset("tiny", compute_dtype="float32")
+  graphdef, params, rest = nnx.split(models.Transformer(config, rngs=nnx.Rngs(0)),
+                                     nnx.Param, ...)
+  axes = models.logical_axes(params)
+  params = nnx.as_pure(params)
+  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3, axes=uib.slice_axes(axes),
+                                 clip_norm=0)
+  train_step = uib.make_train_step(graphdef, rest, tx, clip_norm=1.0)
+  batches = [parallel.synthetic_batch(s, 8, 16, config.vocab_size, 0) for s in range(steps)]
+
+  ref_params, ref_state = jax.tree.map(jnp.copy, params), uib.init(tx, params)
+  for inputs, targets in batches:
+    ref_params, ref_state, _ = jax.jit(train_step)(ref_params, ref_state, inputs, targets)
+
+  mesh = mesh_lib.make_mesh(data=2, expert=4)
+  # The memory planner's shardings of this step (uib.state_shardings for the state).
+  shardings = planner.step_shardings(mesh, "tiny", tx, params, update_in_backward=True)
+  param_shardings = shardings.params
+  init = jax.jit(lambda p: uib.init(tx, p), in_shardings=(param_shardings,),
+                 out_shardings=shardings.opt_state)
+  sharded_params = mesh_lib.put(params, param_shardings)
+  state = init(sharded_params)
+  step = mesh_lib.sharded_train_step(train_step, shardings)
+  for inputs, targets in batches:
+    sharded_params, state, _ = step(*mesh_lib.put((sharded_params, state, inputs, targets, {}),
+                                                  (param_shardings, shardings.opt_state,
+                                                   shardings.batch, shardings.batch, {})))
+  misplaced = [jax.tree_util.keystr(path) for (path, x), want in zip(
+      jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shardings.opt_state))
+               if not x.sharding.is_equivalent_to(want, x.ndim)]
+  w_up = shardings.opt_state.layers[0].mu["layers"]["moe"]["experts"]["w_up"]
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                       sharded_params, ref_params)
+  return {"max_param_diff": max(jax.tree.leaves(diffs)), "misplaced": misplaced,
+          "expert_momentum_spec": [str(a) for a in w_up.spec]}
+
+
+def main() -> None:
+  assert jax.device_count() == 8, jax.devices()
+  print(json.dumps({"known": known_collectives(),
+                    "update_in_backward": update_in_backward_sharded()}))
+
+
+if __name__ == "__main__":
+  main()
