@@ -110,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                       "(default expert = gcd(devices, experts), data = the rest)")
   parser.add_argument("--fsdp", action="store_true",
                       help="with --devices: also split each matrix over the data axis")
+  parser.add_argument("--moe-impl", default=None,
+                      help="the MoE lowering (default: the preset's); expert_parallel "
+                      "sends tokens to their experts' devices (models/expert_parallel.py)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   return parser
 
@@ -134,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
                   update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
                   device_memory_gb=args.device_memory_gb, devices=args.devices,
-                  mesh=args.mesh, fsdp=args.fsdp,
+                  mesh=args.mesh, fsdp=args.fsdp, moe_impl=args.moe_impl,
                   progress=lambda message: print(message, file=sys.stderr, flush=True))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)

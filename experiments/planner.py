@@ -43,7 +43,7 @@ import os
 import pathlib
 import re
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -348,7 +348,7 @@ def with_sharding(tree, sharding):
 
 
 def step_shardings(mesh, preset: str, tx, params, *, update_in_backward: bool = False,
-                   fsdp: bool = False) -> mesh_lib.TrainShardings:
+                   fsdp: bool = False, expert_parallel: bool = False) -> mesh_lib.TrainShardings:
   """The train step's shardings on ``mesh``, as the training command lays them out.
 
   The standard step's are :func:`experiments.mesh.train_shardings`'. The
@@ -357,13 +357,21 @@ def step_shardings(mesh, preset: str, tx, params, *, update_in_backward: bool = 
   """
   axes = steps_lib.abstract_axes(preset)
   if not update_in_backward:
-    return mesh_lib.train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp)
+    return mesh_lib.train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp,
+                                    expert_parallel=expert_parallel)
   shardings = mesh_lib.param_shardings(params, mesh, axes=axes, fsdp=fsdp)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return mesh_lib.TrainShardings(
       mesh=mesh, params=shardings,
       opt_state=uib.state_shardings(tx, params, shardings, replicated),
-      batch=mesh_lib.batch_sharding(mesh), replicated=replicated)
+      batch=mesh_lib.batch_sharding(mesh, expert_parallel=expert_parallel),
+      replicated=replicated)
+
+
+def batch_shards(mesh: Mapping[str, int], expert_parallel: bool) -> int:
+  """How many ways the global batch is split: over ``data``, and ``expert``
+  too with the expert-parallel MoE layer (``experiments.mesh.batch_sharding``)."""
+  return mesh["data"] * (mesh["expert"] if expert_parallel else 1)
 
 
 def _analysis(compiled) -> dict:
@@ -412,12 +420,15 @@ def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
 
   config = models.get_preset(preset, **overrides)
   mesh = mesh or default_mesh_shape(devices, config.num_experts)
-  if batch % mesh["data"]:
-    raise ValueError(f"--batch {batch} does not split over the mesh's data={mesh['data']}")
+  expert_parallel = config.moe_impl == "expert_parallel"
+  if batch % batch_shards(mesh, expert_parallel):
+    raise ValueError(f"--batch {batch} does not split over the mesh's "
+                     f"{batch_shards(mesh, expert_parallel)} batch shards")
   device_list, warning = target_devices(target, devices)
   device_mesh = mesh_lib.make_mesh(mesh["data"], mesh["expert"], devices=device_list)
   shardings = step_shardings(device_mesh, preset, tx, params,
-                             update_in_backward=update_in_backward, fsdp=fsdp)
+                             update_in_backward=update_in_backward, fsdp=fsdp,
+                             expert_parallel=expert_parallel)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   try:
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
@@ -558,7 +569,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
          param_dtype: Any = jnp.bfloat16, search_batch: bool = True,
          update_in_backward: bool = False, clip_mode: str = "exact",
          device_memory_gb: float | None = None, devices: int | None = None,
-         mesh: str | None = None, fsdp: bool = False, progress=None) -> dict:
+         mesh: str | None = None, fsdp: bool = False, moe_impl: str | None = None,
+         progress=None) -> dict:
   """The planner's report (see the module docstring); JSON-serialisable.
 
   ``device_memory_gb`` checks the fit against a device of that size instead
@@ -580,15 +592,16 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     raise ValueError(f"--devices must be >= 1, got {devices}")
   if devices is None and (mesh or fsdp):
     raise ValueError("--mesh and --fsdp need --devices")
-  config, _, params, _ = abstract_model(preset, param_dtype)
+  overrides = {"moe_impl": moe_impl} if moe_impl else {}
+  config, _, params, _ = abstract_model(preset, param_dtype, **overrides)
   if devices is None and target in TPU_TARGETS:
     devices = 1
   if target in TPU_TARGETS:
     check_tpu_target(target, devices)
   mesh_sizes = None if devices is None else mesh_shape(devices, config.num_experts, mesh)
-  data = mesh_sizes["data"] if mesh_sizes else 1
+  data = batch_shards(mesh_sizes, config.moe_impl == "expert_parallel") if mesh_sizes else 1
   if batch % data:
-    raise ValueError(f"--batch {batch} does not split over the mesh's data={data}: "
+    raise ValueError(f"--batch {batch} does not split over the mesh's {data} batch shards: "
                      f"use a multiple of {data}")
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:
@@ -607,7 +620,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     grad_bytes = param_bytes
   step_options = dict(seq=seq, target=target, skewadam_tiers=skewadam_tiers,
                       param_dtype=param_dtype, update_in_backward=update_in_backward,
-                      clip_mode=clip_mode, devices=devices, mesh=mesh_sizes, fsdp=fsdp)
+                      clip_mode=clip_mode, devices=devices, mesh=mesh_sizes, fsdp=fsdp,
+                      **overrides)
   where = target if devices is None else f"{devices} x {target}"
 
   def compile_at(b):
@@ -631,6 +645,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "update_in_backward": update_in_backward,
       "clip_mode": clip_mode if update_in_backward else None,
       "devices": devices or 1, "mesh": mesh_sizes, "fsdp": fsdp if devices else None,
+      "moe_impl": config.moe_impl,
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
       "param_bytes": param_bytes, "grad_bytes": grad_bytes,
       "opt_state_bytes": state_by_tier["total"], "opt_state_bytes_by_tier": state_by_tier,

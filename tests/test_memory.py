@@ -237,6 +237,19 @@ def test_devices_plan_of_tiny_on_the_gpu_target():
   assert len(table) == 3 and "| 8 x a100-40gb, data=2 x expert=4 |" in table[2]
 
 
+def test_devices_plan_of_the_expert_parallel_layer_moves_tokens():
+  if not planner.gpu_compile_available("a100-40gb"):
+    pytest.skip("gpu-compile extra not installed: cannot compile for the A100 target here")
+  report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
+                        moe_impl="expert_parallel", search_batch=False)
+  assert report["moe_impl"] == "expert_parallel" and report["fits"]
+  assert report["collective_bytes"]["all-to-all"] > 0
+  # The batch is split over data x expert: no device repeats another's dense work.
+  with pytest.raises(ValueError, match="8 batch shards"):
+    planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
+                 moe_impl="expert_parallel", search_batch=False)
+
+
 def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
   def fake_compile(preset, optimizer, *, batch, mesh, **_):
     assert batch % mesh["data"] == 0
