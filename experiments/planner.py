@@ -374,6 +374,12 @@ def batch_shards(mesh: Mapping[str, int], expert_parallel: bool) -> int:
   return mesh["data"] * (mesh["expert"] if expert_parallel else 1)
 
 
+def _batch_shards_text(mesh: Mapping[str, int], expert_parallel: bool) -> str:
+  if expert_parallel:
+    return f"data={mesh['data']} x expert={mesh['expert']} (expert parallelism)"
+  return f"data={mesh['data']}"
+
+
 def _analysis(compiled) -> dict:
   analysis = compiled.memory_analysis()
   xla = {"argument": int(analysis.argument_size_in_bytes),
@@ -423,7 +429,7 @@ def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
   expert_parallel = config.moe_impl == "expert_parallel"
   if batch % batch_shards(mesh, expert_parallel):
     raise ValueError(f"--batch {batch} does not split over the mesh's "
-                     f"{batch_shards(mesh, expert_parallel)} batch shards")
+                     f"{_batch_shards_text(mesh, expert_parallel)}")
   device_list, warning = target_devices(target, devices)
   device_mesh = mesh_lib.make_mesh(mesh["data"], mesh["expert"], devices=device_list)
   shardings = step_shardings(device_mesh, preset, tx, params,
@@ -601,7 +607,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   mesh_sizes = None if devices is None else mesh_shape(devices, config.num_experts, mesh)
   data = batch_shards(mesh_sizes, config.moe_impl == "expert_parallel") if mesh_sizes else 1
   if batch % data:
-    raise ValueError(f"--batch {batch} does not split over the mesh's {data} batch shards: "
+    raise ValueError(f"--batch {batch} does not split over the mesh's "
+                     f"{_batch_shards_text(mesh_sizes, config.moe_impl == 'expert_parallel')}: "
                      f"use a multiple of {data}")
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:

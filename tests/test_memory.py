@@ -245,7 +245,7 @@ def test_devices_plan_of_the_expert_parallel_layer_moves_tokens():
   assert report["moe_impl"] == "expert_parallel" and report["fits"]
   assert report["collective_bytes"]["all-to-all"] > 0
   # The batch is split over data x expert: no device repeats another's dense work.
-  with pytest.raises(ValueError, match="8 batch shards"):
+  with pytest.raises(ValueError, match=r"data=2 x expert=4 \(expert parallelism\)"):
     planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
                  moe_impl="expert_parallel", search_batch=False)
 

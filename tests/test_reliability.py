@@ -135,7 +135,7 @@ def test_non_finite_run_stops_with_one_line_and_keeps_good_checkpoints(
   flags = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2",
            "--log-every", "1", "--warmup-steps", "2", "--steps", "8", "--ckpt-every", "2",
            "--data", corpus, "--out", str(tmp_path), "--no-progress",
-           "--skip-nonfinite", str(skip)]
+           "--skip-nonfinite", str(skip), "--sample-tokens", "0"]
   assert train_lib.main(flags) == 3
   err = capsys.readouterr().err.strip()
   assert err.startswith(message) and "\n" not in err, err
