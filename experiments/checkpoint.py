@@ -213,7 +213,7 @@ class Checkpointer:
     meta = self.read_meta(step)
     where = f"checkpoint at step {step} in {self.directory}"
     if expect is not None:
-      saved = meta.get("config", {})
+      saved = config_lib.with_defaults(meta.get("config", {}))
       for field in STRUCTURAL_FIELDS:
         if field in expect and saved.get(field) != expect[field]:
           raise CheckpointError(

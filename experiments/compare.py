@@ -58,6 +58,7 @@ import experiments
 from experiments import optimizers
 from experiments import accounting
 from experiments import training
+from experiments import config as config_lib
 from experiments.config import TrainConfig
 from skewadam_jax import transform as skewadam_transform
 
@@ -73,7 +74,12 @@ TIER_KEYS = {
     "backbone_v": ("backbone", "second_moment", "backbone_second_moment"),
     "expert_m": ("expert", "momentum", "expert_momentum"),
     "router_v": ("router", "second_moment", "router_second_moment"),
+    "backbone_dir": ("backbone", "direction", "backbone_direction"),
+    "expert_dir": ("expert", "direction", "expert_direction"),
 }
+# Keys a row names only when they differ from this value (so rows from before
+# the key existed keep their identity and their runs' folder names).
+IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam"}
 
 # The ablation: one tier setting at a time away from REFERENCE (1-bit expert
 # momentum, everything else as in Adam), plus the smallest configuration that
@@ -105,8 +111,9 @@ def resolve_config(config: dict) -> dict:
   defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
               "expert": skewadam_transform.DEFAULT_EXPERT,
               "router": skewadam_transform.DEFAULT_ROUTER}
-  return {key: config.get(key, getattr(defaults[tier], field))
-          for key, (tier, field, _) in TIER_KEYS.items()}
+  resolved = {key: config.get(key, getattr(defaults[tier], field))
+              for key, (tier, field, _) in TIER_KEYS.items()}
+  return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
 
 
 def train_overrides(config: dict) -> dict:
@@ -145,12 +152,17 @@ def finished_summary(out: pathlib.Path, config: TrainConfig) -> dict | None:
     summary = json.loads((out / "summary.json").read_text())
   except (OSError, ValueError):
     return None
-  same = summary.get("config") == json.loads(json.dumps(dataclasses.asdict(config)))
+  # A run saved before a config field existed ran with that field's default.
+  saved = json.loads(json.dumps(config_lib.with_defaults(summary.get("config") or {})))
+  same = saved == json.loads(json.dumps(dataclasses.asdict(config)))
   return summary if same and summary.get("completed") and "val_ppl" in summary else None
 
 
-def _run(base: TrainConfig, out: pathlib.Path, cache_dir, *,
+def run_or_reuse(base: TrainConfig, out: pathlib.Path, cache_dir, *,
          keep_checkpoints: bool = False, reuse: bool = False, **overrides) -> dict:
+  """Trains ``base`` with ``overrides`` into ``out`` (or, with ``reuse``, reads a finished
+  run of the same configuration there); its validation perplexity, throughput,
+  state bytes and validation curve."""
   config = dataclasses.replace(base, **overrides)
   summary = finished_summary(out, config) if reuse else None
   if summary is None:
@@ -170,7 +182,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
             max_extensions: int = 2, cache_dir=None, log=print,
             keep_checkpoints: bool = False, progress: bool = False,
-            reuse_runs: bool = False) -> list[dict]:
+            reuse_runs: bool = False, fixed_lrs: Sequence[dict] | None = None) -> list[dict]:
   """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
 
   SkewAdam configurations are resolved against the defaults and run once
@@ -180,18 +192,28 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   the most runs the protocol can take, lowered as grids end early). With
   ``reuse_runs`` a run whose folder holds a finished run of the same
   configuration is read instead of trained again, so an interrupted
-  comparison continues where it stopped.
+  comparison continues where it stopped. With ``fixed_lrs`` (rows of a saved
+  comparison) there is no sweep: each entry trains at the rate of its row
+  there (a ``ValueError`` names an entry without one).
   """
   out_dir = pathlib.Path(out_dir)
   rows, seen = [], []
   unique = {(o, json.dumps(resolve_config(c or {}) if o == "skewadam" else None,
                            sort_keys=True)) for o, c in entries}
+  if fixed_lrs is not None:
+    lr_factors, max_extensions = (), 0
+    fixed = {row_key(r): r["lr"] for r in fixed_lrs}
+    for o, c in entries:
+      key = (o, json.dumps(resolve_config(c or {}) if o == "skewadam" else "default",
+                           sort_keys=True))
+      if key not in fixed:
+        raise ValueError(f"no learning rate for {o} {c or ''} in the given comparison rows")
   extensions = max_extensions if len(lr_factors) > 1 else 0
   per_entry = len(lr_factors) + extensions + len(seeds)
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   bar = tqdm(total=per_entry * len(unique), desc="compare", unit="run", disable=not progress,
              dynamic_ncols=True, file=sys.stderr)
-  run_one = functools.partial(_run, keep_checkpoints=keep_checkpoints, reuse=reuse_runs)
+  run_one = functools.partial(run_or_reuse, keep_checkpoints=keep_checkpoints, reuse=reuse_runs)
   for optimizer, config in entries:
     if optimizer == "skewadam":
       config = resolve_config(config or {})
@@ -214,11 +236,15 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
       bar.update(1)
 
     score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
+    if fixed_lrs is not None:
+      sweep.append({"lr": fixed[(optimizer, json.dumps(config or "default", sort_keys=True))],
+                    "val_ppl": math.nan, "from": "fixed"})
     for lr in lr_grid(optimizer, lr_factors):
       try_lr(lr)
     # A best rate at the edge of the grid is not a tuned rate: extend the grid
     # (by the grid's own step) in that direction, a bounded number of times.
-    step = (max(lr_factors) / min(lr_factors)) ** (1 / max(1, len(lr_factors) - 1))
+    step = (max(lr_factors) / min(lr_factors)) ** (1 / max(1, len(lr_factors) - 1)) \
+        if lr_factors else 1.0
     for _ in range(extensions):
       best = min(sweep, key=score)
       if best is sweep[-1]:
@@ -229,7 +255,9 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
         break
     bar.total -= len(lr_factors) + extensions - len(sweep)  # extensions not needed
     bar.refresh()
-    best = min(sweep, key=score)
+    best = min(sweep, key=score) if fixed_lrs is None else sweep[0]
+    if fixed_lrs is not None:
+      sweep = []  # no sweep was run
     finals = [run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
                    optimizer=optimizer, lr=best["lr"], steps=steps, seed=seed,
                    warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
@@ -264,6 +292,11 @@ def _add_step_time_ratios(rows: Sequence[dict]) -> None:
         if adamw and adamw["median_step_s"] and r["median_step_s"] else None)
 
 
+def row_key(row: dict) -> tuple[str, str]:
+  """What identifies a comparison row: its optimizer and configuration."""
+  return row["optimizer"], json.dumps(row["config"], sort_keys=True)
+
+
 def merge_rows(kept: Sequence[dict], rerun: Sequence[dict]) -> list[dict]:
   """``kept`` with each row that ``rerun`` has again (same optimizer and config) replaced.
 
@@ -271,10 +304,9 @@ def merge_rows(kept: Sequence[dict], rerun: Sequence[dict]) -> list[dict]:
   merged AdamW row. For re-running some rows (say SkewAdam's, after a change
   to the library) and keeping the others.
   """
-  key = lambda r: (r["optimizer"], json.dumps(r["config"], sort_keys=True))
-  fresh = {key(r): r for r in rerun}
-  rows = [fresh.pop(key(r), r) for r in kept]
-  rows += [r for r in rerun if key(r) in fresh]
+  fresh = {row_key(r): r for r in rerun}
+  rows = [fresh.pop(row_key(r), r) for r in kept]
+  rows += [r for r in rerun if row_key(r) in fresh]
   _add_step_time_ratios(rows)
   return rows
 
@@ -429,6 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
   parser.add_argument("--keep-checkpoints", action="store_true",
                       help="keep each run's checkpoints (default: only its metrics and summary)")
+  parser.add_argument("--lr-from", default=None, metavar="COMPARE_JSON",
+                      help="no learning-rate sweep: each row trains at the rate its row has "
+                      "in this saved comparison (say, a longer horizon at the rates tuned "
+                      "at the shorter one)")
   parser.add_argument("--no-progress", action="store_true", help="no overall progress bar")
   parser.add_argument("--reuse-runs", action="store_true",
                       help="read runs already finished with the same configuration instead of "
@@ -477,7 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    max_extensions=budget["max_extensions"],
                    log=lambda m: print(m, file=sys.stderr, flush=True),
                    keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress,
-                   reuse_runs=args.reuse_runs)
+                   reuse_runs=args.reuse_runs,
+                   fixed_lrs=(json.loads(pathlib.Path(args.lr_from).read_text())
+                              if args.lr_from else None))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

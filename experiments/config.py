@@ -42,6 +42,7 @@ def setting(default: Any, help: str, *, structural: bool, choices=None, kind=Non
 
 _ENCODINGS = tuple(skewadam_jax.ENCODINGS)
 _FORMS = ("exact", "factored")
+_DIRECTIONS = skewadam_jax.DIRECTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,15 @@ class TrainConfig:
   lr: float | None = setting(None, "peak learning rate (default: the optimizer's "
                              "sweep centre, experiments/optimizers.py)",
                              structural=True, kind=float)
-  warmup_steps: int = setting(60, "linear warmup steps before the cosine decay",
+  warmup_steps: int = setting(60, "linear warmup steps before the decay",
                               structural=True)
+  schedule: str = setting("cosine", "learning-rate schedule after the warmup: 'cosine' "
+                          "(to lr/10 at the last step), 'wsd' (constant, then a 1-sqrt "
+                          "decay to 0 over --decay-fraction of the steps) or 'cooldown' "
+                          "(constant, then linear to 0 over --decay-fraction)",
+                          structural=True, choices=optimizers.SCHEDULES)
+  decay_fraction: float = setting(0.2, "with --schedule wsd or cooldown: the share of the "
+                                  "steps spent in the final decay", structural=True)
   weight_decay: float = setting(0.1, "decoupled weight decay on matrices", structural=True)
   clip_norm: float = setting(1.0, "global gradient-norm clipping threshold",
                              structural=True)
@@ -93,6 +101,13 @@ class TrainConfig:
   router_second_moment: str | None = setting(
       None, "SkewAdam router second moment (default: the library's)",
       structural=True, choices=_FORMS, kind=str)
+  backbone_direction: str | None = setting(
+      None, "SkewAdam backbone update direction for matrices: adam or orthogonal "
+      "(Newton-Schulz, as Muon; default: the library's)", structural=True,
+      choices=_DIRECTIONS, kind=str)
+  expert_direction: str | None = setting(
+      None, "SkewAdam expert-bank update direction (as --backbone-direction)",
+      structural=True, choices=_DIRECTIONS, kind=str)
   mesh: str | None = setting(None, "SPMD mesh, e.g. data=4,expert=2 "
                              "(experiments/mesh.py); a checkpoint resumes on "
                              "any mesh", structural=False, kind=str)
@@ -118,10 +133,13 @@ class TrainConfig:
 
   def skewadam_tiers(self) -> dict:
     tiers = {}
-    if self.expert_momentum:
-      tiers["expert"] = {"momentum": self.expert_momentum}
+    expert = {k: v for k, v in (("momentum", self.expert_momentum),
+                                ("direction", self.expert_direction)) if v}
+    if expert:
+      tiers["expert"] = expert
     backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
-                                  ("second_moment", self.backbone_second_moment)) if v}
+                                  ("second_moment", self.backbone_second_moment),
+                                  ("direction", self.backbone_direction)) if v}
     if backbone:
       tiers["backbone"] = backbone
     if self.router_second_moment:
@@ -165,6 +183,13 @@ class TrainConfig:
                          f"got {getattr(self, name)}")
     if self.seed < 0:
       raise ValueError(f"--seed must be >= 0, got {self.seed}")
+    if self.schedule not in optimizers.SCHEDULES:
+      raise ValueError(f"--schedule must be one of {', '.join(optimizers.SCHEDULES)}, "
+                       f"got {self.schedule!r}")
+    if not 0 < self.decay_fraction <= 1:  # also rejects NaN
+      raise ValueError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+    optimizers.lr_schedule(1.0, self.steps, self.warmup_steps, kind=self.schedule,
+                           decay_fraction=self.decay_fraction)  # a decay inside the warmup
     skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
     if self.mesh:
       sizes = mesh_lib.parse_mesh(self.mesh)
@@ -185,6 +210,16 @@ class TrainConfig:
 
 STRUCTURAL_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)
                           if f.metadata["structural"])
+
+
+def with_defaults(saved: dict) -> dict:
+  """A saved configuration (a checkpoint's, a run's summary) with the fields it predates filled in.
+
+  A field added to :class:`TrainConfig` after a run was saved took its default
+  in that run, so the run is still the same configuration.
+  """
+  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  return {**defaults, **saved}
 
 
 def add_flags(parser) -> None:

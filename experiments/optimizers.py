@@ -80,7 +80,7 @@ def decay_mask(axes: Axes) -> Callable[[Any], Any]:
 
 
 def skewadam_axes(axes: Axes) -> dict:
-  """SkewAdam's ``param_labels`` and ``matrix_axes`` from the logical axes.
+  """SkewAdam's ``param_labels``, ``matrix_axes`` and ``orthogonal_mask`` from the logical axes.
 
   Both are functions of the tree they are given (matched by path), so the
   same optimizer serves the whole parameter tree or any part of it (one
@@ -91,6 +91,8 @@ def skewadam_axes(axes: Axes) -> dict:
       "matrix_axes": per_path({
           p: None if (d := model_axes.matrix_dims(n)) is None else skewadam_jax.MatrixAxes(*d)
           for p, n in axes.items()}),
+      # A tier with the orthogonal direction orthogonalises what Muon does.
+      "orthogonal_mask": per_path({p: orthogonalized(n) for p, n in axes.items()}),
   }
 
 
@@ -114,12 +116,49 @@ def muon_dimension_numbers(axes: Axes) -> Callable[[Any], Any]:
       for p, n in axes.items()})
 
 
-def lr_schedule(peak_lr: float, total_steps: int, warmup_steps: int):
-  """Linear warmup to ``peak_lr``, then cosine decay to ``peak_lr / 10``."""
+SCHEDULES = ("cosine", "wsd", "cooldown")
+
+
+def lr_schedule(peak_lr: float, total_steps: int, warmup_steps: int, *,
+                kind: str = "cosine", decay_fraction: float = 0.2):
+  """Linear warmup to ``peak_lr``, then the schedule ``kind``.
+
+  With ``T`` = ``total_steps``, ``W`` = warmup steps and, for the two
+  schedules with a constant phase, ``D = round(decay_fraction * T)`` decay
+  steps starting at ``S = T - D``:
+
+  * ``cosine``: cosine decay from ``peak_lr`` at ``W`` to ``peak_lr / 10`` at ``T``;
+  * ``wsd`` (warmup-stable-decay): ``peak_lr`` until ``S``, then
+    ``peak_lr * (1 - sqrt((t - S) / D))``, 0 at ``T`` (the 1-sqrt cooldown of
+    Hägele et al., 2024);
+  * ``cooldown`` (constant with linear cooldown): ``peak_lr`` until ``S``,
+    then ``peak_lr * (1 - (t - S) / D)``.
+
+  Raises:
+    ValueError: an unknown ``kind``, or a decay that would start inside the warmup.
+  """
   warmup_steps = max(1, min(warmup_steps, total_steps - 1)) if total_steps > 1 else 0
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak_lr, warmup_steps=warmup_steps,
-      decay_steps=max(total_steps, warmup_steps + 1), end_value=peak_lr / 10)
+  if kind == "cosine":
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak_lr, warmup_steps=warmup_steps,
+        decay_steps=max(total_steps, warmup_steps + 1), end_value=peak_lr / 10)
+  if kind not in SCHEDULES:
+    raise ValueError(f"unknown schedule {kind!r}; choose from {', '.join(SCHEDULES)}")
+  decay_steps = max(1, round(decay_fraction * total_steps))
+  decay_start = total_steps - decay_steps
+  if decay_start < warmup_steps:
+    raise ValueError(f"schedule {kind!r}: {decay_steps} decay steps "
+                     f"(decay_fraction={decay_fraction} of {total_steps}) overlap the "
+                     f"{warmup_steps} warmup steps")
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    warm = peak_lr * step / max(warmup_steps, 1)
+    done = jnp.clip((step - decay_start) / decay_steps, 0.0, 1.0)
+    shape = 1.0 - (jnp.sqrt(done) if kind == "wsd" else done)
+    return jnp.where(step < warmup_steps, warm, peak_lr * shape)
+
+  return schedule
 
 
 def with_fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

@@ -169,9 +169,10 @@ class Run:
 
 
 def learning_rate_schedule(config: TrainConfig):
-  """The run's schedule: warmup, then cosine decay from ``--lr`` (or the optimizer's default)."""
+  """The run's schedule: warmup to ``--lr`` (or the optimizer's default), then ``--schedule``."""
   lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
-  return optimizers.lr_schedule(lr, config.steps, config.warmup_steps)
+  return optimizers.lr_schedule(lr, config.steps, config.warmup_steps, kind=config.schedule,
+                                decay_fraction=config.decay_fraction)
 
 
 def make_train_tx(config: TrainConfig, axes, schedule) -> optax.GradientTransformation:

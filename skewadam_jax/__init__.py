@@ -41,12 +41,14 @@ from skewadam_jax.labels import ROUTER
 from skewadam_jax.labels import TIERS
 from skewadam_jax.labels import label_fn
 from skewadam_jax.labels import moe_param_labels
+from skewadam_jax.orthogonal import newton_schulz
 from skewadam_jax.rounding import apply_updates_stochastic
 from skewadam_jax.rounding import stochastic_round_to_bf16
 from skewadam_jax.sharding import state_shardings
 from skewadam_jax.transform import DEFAULT_BACKBONE
 from skewadam_jax.transform import DEFAULT_EXPERT
 from skewadam_jax.transform import DEFAULT_ROUTER
+from skewadam_jax.transform import DIRECTIONS
 from skewadam_jax.transform import LeafPlan
 from skewadam_jax.transform import MATRICES
 from skewadam_jax.transform import ScaleBySkewAdamState
@@ -60,12 +62,12 @@ from skewadam_jax.transform import skewadam
 __version__ = "0.2.0"
 
 __all__ = [
-    "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER",
+    "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER", "DIRECTIONS",
     "ENCODINGS", "EXPERT", "LeafPlan", "MATRICES", "MatrixAxes", "PATTERNS",
     "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "get_encoding", "label_fn", "leaf_plans",
-    "matrices_only", "moe_param_labels", "scale_by_skewadam", "skewadam",
+    "matrices_only", "moe_param_labels", "newton_schulz", "scale_by_skewadam", "skewadam",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",
 ]

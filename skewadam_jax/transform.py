@@ -62,8 +62,10 @@ from skewadam_jax import axes as axes_lib
 from skewadam_jax import encodings
 from skewadam_jax import factored
 from skewadam_jax import labels as labels_lib
+from skewadam_jax import orthogonal
 
 SECOND_MOMENT_FORMS = ("exact", "factored")
+DIRECTIONS = ("adam", "orthogonal")
 NU_FIELDS = ("nu", "nu_row", "nu_col")
 FIELDS = ("mu",) + NU_FIELDS + encodings.MOMENTUM_FIELDS[1:]
 # The default weight-decay mask: decay exactly the leaves declared matrices.
@@ -92,11 +94,19 @@ class TierConfig:
       (checked by :func:`scale_by_skewadam`). ``float16`` is refused: its
       range underflows ``(1 − b2)·g²``.
     int8_block_size: block length along the columns for ``"int8"``.
+    direction: the update direction for the tier's declared matrices:
+      ``"adam"`` (``m̂ / √v̂``) or ``"orthogonal"``: the Newton–Schulz
+      orthogonal factor of the Nesterov momentum ``b1·m_t + (1 − b1)·g_t``
+      over the matrix axes, scaled to Adam's update RMS
+      (:mod:`skewadam_jax.orthogonal`; Muon's direction). An orthogonalised
+      matrix stores no second moment; vectors, complex leaves and matrices
+      left out by ``orthogonal_mask`` keep Adam's direction.
   """
   momentum: str = "fp32"
   second_moment: str = "exact"
   nu_dtype: Any = jnp.float32
   int8_block_size: int = 256
+  direction: str = "adam"
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -106,6 +116,8 @@ class TierConfig:
       raise ValueError(f"int8_block_size must be a positive int, got "
                        f"{self.int8_block_size!r}.")
     encodings.get_encoding(self.momentum, block_size=self.int8_block_size)
+    if self.direction not in DIRECTIONS:
+      raise ValueError(f"Unknown direction {self.direction!r}; expected one of {DIRECTIONS}.")
     if self.second_moment not in SECOND_MOMENT_FORMS:
       raise ValueError(
           f"Unknown second_moment {self.second_moment!r}; expected one of "
@@ -171,12 +183,14 @@ class LeafPlan(NamedTuple):
     axes: its declared matrix axes (non-negative), ``None`` for a vector.
     factored: whether its second moment is factored.
     nu_dtype: dtype of the stored second moment.
+    orthogonal: whether its direction is orthogonalised (no second moment).
   """
   tier: str
   encoding: Optional[encodings.MomentumEncoding]
   axes: Optional[axes_lib.MatrixAxes]
   factored: bool
   nu_dtype: Any
+  orthogonal: bool = False
 
 
 def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConfig:
@@ -238,7 +252,7 @@ def _is_complex(leaf) -> bool:
 
 
 def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike = None,
-               expert: TierLike = None, router: TierLike = None,
+               expert: TierLike = None, router: TierLike = None, orthogonal_mask=None,
                warn: bool = False) -> list[LeafPlan]:
   """How SkewAdam stores each leaf of ``tree``, in flattening order.
 
@@ -247,8 +261,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
 
   Args:
     tree: parameters (arrays or ``jax.ShapeDtypeStruct``).
-    param_labels, matrix_axes, backbone, expert, router: as in
-      :func:`scale_by_skewadam`.
+    param_labels, matrix_axes, backbone, expert, router, orthogonal_mask: as
+      in :func:`scale_by_skewadam`.
     warn: warn when the default labeller finds no expert or router leaf.
 
   Returns:
@@ -262,17 +276,24 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   leaves = jax.tree.leaves(tree)
   tiers = labels_lib.resolve_labels(param_labels, tree, warn=warn)
   declared = axes_lib.resolve_matrix_axes(matrix_axes, tree)
+  if orthogonal_mask is None:
+    allowed = [True] * len(leaves)
+  else:
+    spec = orthogonal_mask(tree) if callable(orthogonal_mask) else orthogonal_mask
+    allowed = labels_lib.spec_per_leaf(spec, tree, what="orthogonal_mask")
   plans = []
-  for leaf, tier, axes in zip(leaves, tiers, declared):
+  for leaf, tier, axes, allow in zip(leaves, tiers, declared, allowed):
     config = configs[tier]
     encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size)
     if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
       encoding = encodings.DenseEncoding(
           jnp.complex64 if _is_complex(leaf) else jnp.float32)
+    ortho = (config.direction == "orthogonal" and axes is not None
+             and not _is_complex(leaf) and bool(allow))
     plans.append(LeafPlan(
         tier=tier, encoding=encoding, axes=axes,
-        factored=config.second_moment == "factored" and axes is not None,
-        nu_dtype=jnp.dtype(config.nu_dtype)))
+        factored=config.second_moment == "factored" and axes is not None and not ortho,
+        nu_dtype=jnp.dtype(config.nu_dtype), orthogonal=ortho))
   return plans
 
 
@@ -327,6 +348,8 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   encoding = plan.encoding
   sign = isinstance(encoding, encodings.SignEncoding)
   m = None if encoding is None else (1 - b1) * g32 + b1 * encoding.decode(parts, plan.axes)
+  if plan.orthogonal:
+    return _orthogonal_step(plan, g, g32, m, b1=b1)
   g_sq = _square(g32)
   new = {}
   nu_means = sign_parts = None
@@ -362,6 +385,23 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   return update.astype(g.dtype), new
 
 
+def _orthogonal_step(plan: LeafPlan, g, g32, m, *, b1):
+  """An orthogonalised matrix's step: its momentum stored, Muon's direction returned.
+
+  The Newton–Schulz iteration normalises its input, so ``m``'s bias
+  correction would not change the direction and is left out.
+  """
+  new = {}
+  if m is None:
+    nesterov = g32
+  else:
+    nesterov = b1 * m + (1 - b1) * g32
+    new.update(plan.encoding.encode(m, plan.axes))
+  direction = orthogonal.newton_schulz(nesterov, plan.axes)
+  update = direction * orthogonal.adam_rms_scale(g.shape, plan.axes)
+  return update.astype(g.dtype), new
+
+
 def _fresh_parts(plan: LeafPlan, leaf) -> dict:
   """The leaf's state at step 0, computed by the step's own operations.
 
@@ -375,7 +415,7 @@ def _fresh_parts(plan: LeafPlan, leaf) -> dict:
   if plan.factored:
     row, col = factored.row_col_means(_square(zeros), plan.axes)
     parts.update(nu_row=row.astype(plan.nu_dtype), nu_col=col.astype(plan.nu_dtype))
-  else:
+  elif not plan.orthogonal:
     parts["nu"] = _square(zeros).astype(plan.nu_dtype)
   return parts
 
@@ -411,9 +451,10 @@ def _check_parts(path: str, plan: LeafPlan, leaf, parts: dict) -> None:
     if want is None and tuple(got.shape) == (1,):
       continue  # a placeholder, passed through whatever its dtype
     if tuple(got.shape) != want_shape or jnp.dtype(got.dtype) != want_dtype:
+      second = ("none (orthogonal direction)" if plan.orthogonal else
+                f"{'factored' if plan.factored else 'exact'} ({plan.nu_dtype.name})")
       what = (f"momentum {plan.encoding.name if plan.encoding else 'none'}, "
-              f"second moment {'factored' if plan.factored else 'exact'} "
-              f"({plan.nu_dtype.name}), matrix axes {plan.axes}")
+              f"second moment {second}, matrix axes {plan.axes}")
       raise ValueError(
           f"SkewAdam state for {path!r} does not match its configuration "
           f"({what}) and the update's shape {tuple(leaf.shape)}: field {name!r} "
@@ -434,6 +475,7 @@ def scale_by_skewadam(
     expert: TierLike = None,
     router: TierLike = None,
     factored_eps: float = 1e-30,
+    orthogonal_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates with Adam's rule, storing moments per tier.
 
@@ -449,6 +491,14 @@ def scale_by_skewadam(
   ``|g_t|² + factored_eps`` over the matrix axes. With the ``"none"`` momentum
   encoding ``m̂_t = g_t``. With every tier at ``TierConfig("fp32", "exact")``
   this is ``optax.scale_by_adam`` exactly.
+
+  A tier with ``direction="orthogonal"`` replaces ``u_t`` for its declared
+  real matrices (those ``orthogonal_mask`` allows) by Muon's direction::
+
+      u_t = 0.2·√max(r, c) · NS5(b1·m_t + (1 − b1)·g_t)
+
+  (:mod:`skewadam_jax.orthogonal`), with ``m_t`` stored in the tier's encoding
+  and no second moment.
 
   Args:
     b1: EMA decay of the momentum, in [0, 1).
@@ -477,6 +527,11 @@ def scale_by_skewadam(
     router: the same for the router; default fp32 momentum, exact ``v``.
     factored_eps: added to ``g²`` before factoring, so that all-zero rows keep
       a defined reconstruction (Adafactor's ``epsilon1``).
+    orthogonal_mask: which declared matrices of a tier with
+      ``direction="orthogonal"`` take that direction: ``None`` for all, or a
+      pytree of bools matched by path like ``param_labels`` (or a callable
+      returning one; static under ``inject_hyperparams``). Muon leaves
+      embeddings and the unembedding to Adam; so can this.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -510,7 +565,7 @@ def scale_by_skewadam(
 
   def plans_for(tree, warn=False):
     return leaf_plans(tree, param_labels=param_labels, matrix_axes=matrix_axes,
-                      warn=warn, **tiers)
+                      orthogonal_mask=orthogonal_mask, warn=warn, **tiers)
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
@@ -616,6 +671,7 @@ def skewadam(
     expert: TierLike = None,
     router: TierLike = None,
     factored_eps: float = 1e-30,
+    orthogonal_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SkewAdam with decoupled weight decay, composed as ``optax.adamw`` is.
 
@@ -638,8 +694,8 @@ def skewadam(
       ``optax.add_decayed_weights``; ``None`` decays all leaves. A callable
       must be named in ``static_args`` under ``optax.inject_hyperparams``;
       the default needs nothing.
-    param_labels, matrix_axes, backbone, expert, router, factored_eps: as in
-      :func:`scale_by_skewadam`.
+    param_labels, matrix_axes, backbone, expert, router, factored_eps,
+      orthogonal_mask: as in :func:`scale_by_skewadam`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -686,7 +742,7 @@ def skewadam(
       scale_by_skewadam(
           b1=b1, b2=b2, eps=eps, eps_root=eps_root, param_labels=param_labels,
           matrix_axes=matrix_axes, backbone=backbone, expert=expert, router=router,
-          factored_eps=factored_eps),
+          factored_eps=factored_eps, orthogonal_mask=orthogonal_mask),
       decay,
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -84,7 +84,7 @@ def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
     return {"val_ppl": 100 + (x - 9) ** 2, "tokens_per_s": 1.0, "median_step_s": 1.0,
             "opt_state_bytes": 1,
             "curve": []}
-  monkeypatch.setattr(compare, "_run", fake_run)
+  monkeypatch.setattr(compare, "run_or_reuse", fake_run)
   monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
   [row] = compare.compare([("adamw", {})], base=compare.TrainConfig(),
                           out_dir=tmp_path, steps=2, sweep_steps=1, seeds=(0,), log=lambda m: None)
@@ -147,3 +147,47 @@ def test_render_with_kept_rows_writes_the_merged_comparison(tmp_path):
   merged = json.loads((tmp_path / "out" / "compare.json").read_text())
   assert [r["val_ppl_mean"] for r in merged] == [r["val_ppl_mean"] for r in kept[:-1]] + [1.0]
   assert (tmp_path / "out" / "compare.md").exists()
+
+
+def test_fixed_learning_rates_skip_the_sweep(monkeypatch, tmp_path):
+  trained = []
+
+  def fake_run(base, out, cache_dir, *, lr, steps, seed, **overrides):
+    del base, out, cache_dir, overrides
+    trained.append((lr, steps, seed))
+    return {"val_ppl": 50.0 + seed, "tokens_per_s": 1.0, "median_step_s": 1.0,
+            "opt_state_bytes": 1, "curve": []}
+  monkeypatch.setattr(compare, "run_or_reuse", fake_run)
+  monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
+  orthogonal = {"expert_dir": "orthogonal"}
+  saved = [{"optimizer": "muon", "config": "default", "lr": 0.03},
+           {"optimizer": "skewadam", "config": compare.resolve_config(orthogonal), "lr": 0.01}]
+  rows = compare.compare([("muon", None), ("skewadam", orthogonal)],
+                         base=compare.TrainConfig(), out_dir=tmp_path, steps=8, sweep_steps=2,
+                         seeds=(0, 1, 2), log=lambda m: None, fixed_lrs=saved)
+  assert trained == [(0.03, 8, s) for s in (0, 1, 2)] + [(0.01, 8, s) for s in (0, 1, 2)]
+  assert [r["lr"] for r in rows] == [0.03, 0.01] and all(r["sweep"] == [] for r in rows)
+  with pytest.raises(ValueError, match="no learning rate for adamw"):
+    compare.compare([("adamw", None)], base=compare.TrainConfig(), out_dir=tmp_path, steps=8,
+                    sweep_steps=2, seeds=(0,), log=lambda m: None, fixed_lrs=saved)
+
+
+def test_update_directions_appear_in_a_row_only_when_not_adam():
+  # Rows saved before the direction keys existed keep their identity.
+  assert "expert_dir" not in compare.resolve_config({})
+  assert compare.resolve_config({"expert_dir": "adam"}) == compare.resolve_config({})
+  ortho = compare.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal"})
+  assert ortho["backbone_dir"] == ortho["expert_dir"] == "orthogonal"
+  tiers = compare.TrainConfig(**compare.train_overrides(ortho)).skewadam_tiers()
+  assert tiers["expert"]["direction"] == tiers["backbone"]["direction"] == "orthogonal"
+
+
+def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
+  config = compare.TrainConfig(preset="tiny", steps=3)
+  saved = json.loads(json.dumps(compare.dataclasses.asdict(config)))
+  del saved["schedule"], saved["decay_fraction"]  # fields added later, at their defaults
+  (tmp_path / "summary.json").write_text(json.dumps(
+      {"config": saved, "completed": True, "val_ppl": 10.0}))
+  assert compare.finished_summary(tmp_path, config)["val_ppl"] == 10.0
+  assert compare.finished_summary(tmp_path, compare.dataclasses.replace(
+      config, schedule="wsd")) is None

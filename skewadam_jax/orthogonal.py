@@ -1,0 +1,81 @@
+"""The orthogonalised update direction: Newton–Schulz over declared matrix axes.
+
+Muon (Jordan et al., 2024) replaces Adam's elementwise direction ``m̂ / √v̂``
+for a weight matrix by the orthogonal factor of its momentum: with
+``M = U Σ Vᵀ``, the direction is ``U Vᵀ``, every singular value set to one.
+It is computed without an SVD by the quintic Newton–Schulz iteration::
+
+    X_0 = M / (‖M‖_F + eps)
+    X_{k+1} = a·X_k + (b·A_k + c·A_k²)·X_k,     A_k = X_k X_kᵀ
+
+with ``(a, b, c) = (3.4445, −4.7750, 2.0315)``, which drives the singular
+values of ``X`` into roughly ``[0.7, 1.2]`` in five steps (all that the
+direction needs; they do not converge to exactly one).
+
+An orthogonal ``r × c`` matrix has RMS ``1 / √max(r, c)``; scaling it by
+``rms · √max(r, c)`` gives an update of RMS ``rms`` whatever the matrix's
+shape. With ``rms ≈ 0.2``, the RMS of a typical Adam update, the learning rate
+and weight decay tuned for Adam carry over (Liu et al., 2025, "Muon is
+scalable for LLM training").
+
+The matrix is given by :class:`~skewadam_jax.MatrixAxes`; every other axis (a
+stacked layer or expert axis) is a batch axis, so each layer's and each
+expert's matrix is orthogonalised on its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from skewadam_jax.axes import MatrixAxes
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+# The update RMS an orthogonalised direction is scaled to: about Adam's.
+ADAM_RMS = 0.2
+
+
+def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int = NS_STEPS,
+                  coeffs: tuple[float, float, float] = NS_COEFFS,
+                  eps: float = 1e-7) -> jax.Array:
+  """The approximate orthogonal factor ``U Vᵀ`` of each matrix of ``x``, in float32.
+
+  Args:
+    x: a real array with at least two dimensions.
+    axes: the two axes forming each matrix; the others are batch axes.
+    steps: Newton–Schulz iterations.
+    coeffs: the iteration's ``(a, b, c)``.
+    eps: added to the Frobenius norm, so a zero matrix stays zero.
+
+  Returns:
+    An array of ``x``'s shape whose matrices have the singular vectors of
+    ``x``'s and singular values near one.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q = newton_schulz(jnp.array([[3.0, 0.0], [0.0, 0.5]]))
+    >>> bool(jnp.all(jnp.abs(jnp.diag(q) - 1) < 0.35))
+    True
+  """
+  rows, cols = (a % x.ndim for a in axes)
+  a, b, c = coeffs
+  m = jnp.moveaxis(x.astype(jnp.float32), (rows, cols), (-2, -1))
+  wide = m.shape[-2] <= m.shape[-1]
+  if not wide:  # iterate on the side whose Gram matrix is smaller
+    m = jnp.swapaxes(m, -1, -2)
+  m = m / (jnp.sqrt(jnp.sum(m * m, axis=(-2, -1), keepdims=True)) + eps)
+  for _ in range(steps):
+    gram = m @ jnp.swapaxes(m, -1, -2)
+    m = a * m + (b * gram + c * gram @ gram) @ m
+  if not wide:
+    m = jnp.swapaxes(m, -1, -2)
+  return jnp.moveaxis(m, (-2, -1), (rows, cols))
+
+
+def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
+  """The factor that gives an orthogonal matrix over ``axes`` of ``shape`` the RMS ``rms``."""
+  ndim = len(shape)
+  return rms * math.sqrt(max(shape[axes.rows % ndim], shape[axes.cols % ndim]))

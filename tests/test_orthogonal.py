@@ -1,0 +1,130 @@
+"""The orthogonalised direction: Newton–Schulz against the SVD, and SkewAdam's orthogonal tiers
+against a hand-written Muon-style loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import skewadam_jax as sa
+from skewadam_jax import encodings
+from skewadam_jax import orthogonal
+
+
+def _polar(m):
+  u, _, vt = np.linalg.svd(m, full_matrices=False)
+  return u @ vt
+
+
+@pytest.mark.parametrize("shape", [(6, 6), (4, 9), (9, 4)])
+def test_newton_schulz_has_the_polar_factors_singular_vectors(shape):
+  x = np.asarray(jax.random.normal(jax.random.key(0), shape))
+  q = np.asarray(sa.newton_schulz(jnp.asarray(x)))
+  u, _, vt = np.linalg.svd(x, full_matrices=False)
+  # In the SVD basis of x, q is diagonal: same singular vectors...
+  inner = u.T @ q @ vt.T
+  off = inner - np.diag(np.diag(inner))
+  assert np.abs(off).max() < 1e-4
+  # ...with singular values pushed into the quintic iteration's band around one.
+  assert 0.6 < np.diag(inner).min() and np.diag(inner).max() < 1.25
+  assert np.abs(q - _polar(x)).max() < 0.4
+
+
+def test_newton_schulz_batches_over_every_other_axis():
+  x = jax.random.normal(jax.random.key(1), (3, 5, 2, 7))  # matrices over axes 1 and 3
+  q = sa.newton_schulz(x, sa.MatrixAxes(1, 3))
+  for i in range(3):
+    for j in range(2):
+      np.testing.assert_allclose(q[i, :, j, :], sa.newton_schulz(x[i, :, j, :]), atol=1e-5)
+  # Negative axes name the same matrix; the transposed declaration transposes the result.
+  np.testing.assert_allclose(sa.newton_schulz(x, sa.MatrixAxes(-3, -1)), q, atol=0)
+  np.testing.assert_allclose(sa.newton_schulz(x, sa.MatrixAxes(3, 1)), q, atol=1e-5)
+
+
+def test_newton_schulz_of_zero_is_zero_and_scale_free():
+  assert not np.any(np.asarray(sa.newton_schulz(jnp.zeros((3, 4)))))
+  x = jax.random.normal(jax.random.key(2), (4, 6))
+  np.testing.assert_allclose(sa.newton_schulz(1e3 * x), sa.newton_schulz(x), atol=1e-4)
+
+
+def test_adam_rms_scale_gives_the_target_rms():
+  x = jax.random.normal(jax.random.key(3), (2, 16, 48))
+  axes = sa.MatrixAxes(1, 2)
+  u = np.asarray(_polar(np.asarray(x[0])))  # exactly orthogonal
+  scaled = u * orthogonal.adam_rms_scale(x.shape, axes)
+  assert np.sqrt(np.mean(scaled ** 2)) == pytest.approx(orthogonal.ADAM_RMS, rel=1e-5)
+
+
+def _params():
+  keys = jax.random.split(jax.random.key(4), 4)
+  return {"embed": jax.random.normal(keys[0], (10, 6)),
+          "norm": jax.random.normal(keys[1], (6,)),
+          "moe": {"router": jax.random.normal(keys[2], (6, 3)),
+                  "experts": jax.random.normal(keys[3], (3, 6, 8))}}
+
+
+def _grads(step):
+  return jax.tree.map(lambda p: jax.random.normal(jax.random.key(100 + step), p.shape),
+                      _params())
+
+
+@pytest.mark.parametrize("expert_momentum", ["fp32", "sign", "none"])
+def test_orthogonal_tiers_follow_the_hand_written_loop(expert_momentum):
+  b1 = 0.9
+  tx = sa.scale_by_skewadam(
+      b1=b1, backbone={"momentum": "fp32", "second_moment": "exact", "direction": "orthogonal"},
+      expert={"momentum": expert_momentum, "direction": "orthogonal"},
+      orthogonal_mask={"embed": False, "norm": True, "moe": True})
+  adam = optax.scale_by_adam(b1=b1)  # for the leaves that keep Adam's direction
+  params = _params()
+  state, adam_state = tx.init(params), adam.init(params)
+  update = jax.jit(tx.update)
+  encoding = encodings.get_encoding(expert_momentum)
+  axes = sa.MatrixAxes(1, 2)
+  m = jnp.zeros((3, 6, 8))
+  for step in range(3):
+    g = _grads(step)
+    u, state = update(g, state)
+    want_adam, adam_state = adam.update(g, adam_state)
+    # embed (masked out), norm (a vector), router (an Adam tier): Adam's direction.
+    for path in (("embed",), ("norm",), ("moe", "router")):
+      got, want = u, want_adam
+      for key in path:
+        got, want = got[key], want[key]
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The experts: Muon's direction of the momentum as the encoding stores it.
+    ge = g["moe"]["experts"]
+    if encoding is None:
+      nesterov = ge
+    else:
+      m = b1 * m + (1 - b1) * ge
+      nesterov = b1 * m + (1 - b1) * ge
+    want = sa.newton_schulz(nesterov, axes) * 0.2 * np.sqrt(8)
+    np.testing.assert_allclose(u["moe"]["experts"], want, rtol=2e-4, atol=2e-5)
+    if encoding is not None:
+      m = encoding.decode(encoding.encode(m, axes), axes)  # what the next step reads
+  # Orthogonalised matrices store no second moment; the others keep theirs.
+  assert sa.transform.is_placeholder(state.nu["moe"]["experts"])
+  assert sa.transform.is_placeholder(state.nu_row["moe"]["experts"])
+  assert state.nu["embed"].shape == (10, 6) and state.nu["norm"].shape == (6,)
+
+
+def test_orthogonal_direction_shrinks_the_state_and_plans_say_so():
+  params = _params()
+  plain = sa.scale_by_skewadam().init(params)
+  ortho_tx = sa.scale_by_skewadam(expert={"direction": "orthogonal"})
+  ortho = ortho_tx.init(params)
+  assert sa.tree_bytes(ortho) < sa.tree_bytes(plain)
+  plans = sa.leaf_plans(params, expert={"direction": "orthogonal"})
+  assert [p.orthogonal for p in plans] == [False, True, False, False]  # embed, experts, ...
+
+
+def test_bad_direction_and_mask_are_named():
+  with pytest.raises(ValueError, match="direction 'muon'"):
+    sa.TierConfig(direction="muon")
+  tx = sa.scale_by_skewadam(expert={"direction": "orthogonal"},
+                            orthogonal_mask={"embed": True, "norm": True, "moe": True,
+                                             "typo": False})
+  with pytest.raises(ValueError, match="orthogonal_mask.*typo"):
+    tx.init(_params())
