@@ -47,7 +47,6 @@ import functools
 import json
 import math
 import pathlib
-import shutil
 import statistics
 import sys
 from typing import Sequence
@@ -57,9 +56,9 @@ import jax.numpy as jnp
 import experiments
 from experiments import optimizers
 from experiments import accounting
-from experiments import training
-from experiments import config as config_lib
 from experiments.config import TrainConfig
+from experiments.sweeps import base_config, parse_skewadam_config, resolve_config
+from experiments.sweeps import run_name, run_or_reuse, train_overrides
 from skewadam_jax import transform as skewadam_transform
 
 # --quick is a first look (the grid is not extended: its rates may sit at an edge).
@@ -67,19 +66,6 @@ QUICK = dict(steps=100, sweep_steps=40, seeds=(0, 1), eval_every=50, eval_batche
              max_extensions=0)
 FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16,
             max_extensions=2)
-
-# Short name → (tier, TierConfig field, TrainConfig field).
-TIER_KEYS = {
-    "backbone_m": ("backbone", "momentum", "backbone_momentum"),
-    "backbone_v": ("backbone", "second_moment", "backbone_second_moment"),
-    "expert_m": ("expert", "momentum", "expert_momentum"),
-    "router_v": ("router", "second_moment", "router_second_moment"),
-    "backbone_dir": ("backbone", "direction", "backbone_direction"),
-    "expert_dir": ("expert", "direction", "expert_direction"),
-}
-# Keys a row names only when they differ from this value (so rows from before
-# the key existed keep their identity and their runs' folder names).
-IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam"}
 
 # The ablation: one tier setting at a time away from REFERENCE (1-bit expert
 # momentum, everything else as in Adam), plus the smallest configuration that
@@ -92,33 +78,6 @@ ABLATION = (
        {**REFERENCE, "backbone_m": "bf16", "backbone_v": "factored"}])
 
 STATE_BUDGET_6P78B = 1.29e9  # the published optimizer state for moe-6.78b
-
-
-def parse_skewadam_config(text: str) -> dict:
-  """``expert_m=int8,backbone_v=factored`` → ``{"expert_m": "int8", ...}``."""
-  out = {}
-  for part in filter(None, text.split(",")):
-    key, _, value = part.partition("=")
-    if key not in TIER_KEYS or not value:
-      raise ValueError(f"bad SkewAdam configuration {text!r}: use "
-                       f"{', '.join(k + '=...' for k in TIER_KEYS)}")
-    out[key] = value
-  return out
-
-
-def resolve_config(config: dict) -> dict:
-  """A partial SkewAdam configuration, completed from the library's defaults."""
-  defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
-              "expert": skewadam_transform.DEFAULT_EXPERT,
-              "router": skewadam_transform.DEFAULT_ROUTER}
-  resolved = {key: config.get(key, getattr(defaults[tier], field))
-              for key, (tier, field, _) in TIER_KEYS.items()}
-  return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
-
-
-def train_overrides(config: dict) -> dict:
-  """A SkewAdam configuration as ``TrainConfig`` fields."""
-  return {TIER_KEYS[key][2]: value for key, value in config.items()}
 
 
 def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> dict | None:
@@ -144,37 +103,6 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> 
 def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
   base = optimizers.DEFAULT_LR[optimizer]
   return [base * f for f in factors]
-
-
-def finished_summary(out: pathlib.Path, config: TrainConfig) -> dict | None:
-  """The summary of a finished run of exactly ``config`` in ``out``, else ``None``."""
-  try:
-    summary = json.loads((out / "summary.json").read_text())
-  except (OSError, ValueError):
-    return None
-  # A run saved before a config field existed ran with that field's default.
-  saved = json.loads(json.dumps(config_lib.with_defaults(summary.get("config") or {})))
-  same = saved == json.loads(json.dumps(dataclasses.asdict(config)))
-  return summary if same and summary.get("completed") and "val_ppl" in summary else None
-
-
-def run_or_reuse(base: TrainConfig, out: pathlib.Path, cache_dir, *,
-         keep_checkpoints: bool = False, reuse: bool = False, **overrides) -> dict:
-  """Trains ``base`` with ``overrides`` into ``out`` (or, with ``reuse``, reads a finished
-  run of the same configuration there); its validation perplexity, throughput,
-  state bytes and validation curve."""
-  config = dataclasses.replace(base, **overrides)
-  summary = finished_summary(out, config) if reuse else None
-  if summary is None:
-    shutil.rmtree(out, ignore_errors=True)  # a rerun replaces its own earlier run
-    summary = training.train(config, out, cache_dir=cache_dir, progress=False)
-  if not keep_checkpoints:  # the comparison needs the metrics and summary only
-    shutil.rmtree(out / "ckpt", ignore_errors=True)
-  curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-  return {"val_ppl": summary["val_ppl"], "tokens_per_s": summary["tokens_per_s"],
-          "median_step_s": summary.get("median_step_s"),
-          "opt_state_bytes": summary["opt_state_bytes_by_tier"]["total"],
-          "curve": [(r["tokens"], r["val_ppl"]) for r in curve if "val_ppl" in r]}
 
 
 def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
@@ -223,7 +151,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
       continue
     seen.append((optimizer, config))
     overrides = train_overrides(config) if config else {}
-    name = optimizer + "".join(f"-{v}" for v in (config or {}).values())
+    name = run_name(optimizer, config)
     sweep = []
 
     def try_lr(lr):
@@ -501,12 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       if config:
         skewadam_transform.scale_by_skewadam(  # unknown encodings fail here, not an hour in
             **TrainConfig(**train_overrides(config)).skewadam_tiers())
-    base = TrainConfig(preset=args.preset, batch_size=args.batch_size, data=args.data,
-                                 eval_every=budget["eval_every"],
-                                 eval_batches=budget["eval_batches"], ckpt_every=10**9,
-                                 # every step timed, for the step-time ratio; no text
-                                 # samples (they do not change a run's numbers)
-                                 log_every=1, sample_tokens=0)
+    base = base_config(preset=args.preset, batch_size=args.batch_size, data=args.data,
+                       eval_every=budget["eval_every"], eval_batches=budget["eval_batches"])
     out = pathlib.Path(args.out)
     rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],

@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 from experiments import compare
+from experiments import sweeps
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
@@ -14,7 +15,7 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
           "expert_m=int8;" + ",".join(f"{k}={v}" for k, v in compare.resolve_config({}).items()),
           "--steps", "6", "--sweep-steps", "3", "--seeds", "0,1",
           "--batch-size", "4", "--data", corpus, "--out", str(tmp_path / "cmp"), "--quick"]
-  monkeypatch.setattr(compare.training, "train", _with_cache(compare.training.train, cache_dir))
+  monkeypatch.setattr(sweeps.training, "train", _with_cache(sweeps.training.train, cache_dir))
   assert compare.main(argv) == 0
   rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
   assert [(r["optimizer"], r["config"], compare.is_default(r)) for r in rows] == [
@@ -47,7 +48,7 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
   # --reuse-runs reads every finished run instead of training it again.
   def no_training(*args, **kwargs):
     raise AssertionError("a finished run was trained again")
-  monkeypatch.setattr(compare.training, "train", no_training)
+  monkeypatch.setattr(sweeps.training, "train", no_training)
   assert compare.main(argv + ["--reuse-runs"]) == 0
   assert (tmp_path / "cmp" / "compare.md").read_text() == table
   # A run of another configuration in the same folder is not reused.
@@ -188,6 +189,6 @@ def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
   del saved["schedule"], saved["decay_fraction"]  # fields added later, at their defaults
   (tmp_path / "summary.json").write_text(json.dumps(
       {"config": saved, "completed": True, "val_ppl": 10.0}))
-  assert compare.finished_summary(tmp_path, config)["val_ppl"] == 10.0
-  assert compare.finished_summary(tmp_path, compare.dataclasses.replace(
+  assert sweeps.finished_summary(tmp_path, config)["val_ppl"] == 10.0
+  assert sweeps.finished_summary(tmp_path, compare.dataclasses.replace(
       config, schedule="wsd")) is None

@@ -29,7 +29,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 COMMANDS = {"train", "compare", "memory", "bench", "parallel", "state_bytes", "gpu_check",
-            "sample"}
+            "sample", "schedules"}
 
 
 def private_uses() -> list[str]:

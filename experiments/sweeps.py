@@ -1,0 +1,153 @@
+"""What every sweep of training runs shares (the comparison, the schedule study).
+
+* the base configuration every run of a sweep starts from (:func:`base_config`);
+* SkewAdam configurations by short name (``expert_m=int8,backbone_dir=orthogonal``):
+  :func:`parse_skewadam_config`, :func:`resolve_config`, :func:`train_overrides`;
+* runs that are read instead of trained again when a finished run of exactly
+  the same configuration is already in their folder (:func:`run_or_reuse`), so
+  an interrupted sweep continues where it stopped, in this session or the next;
+  with ``allow_divergence`` a run whose loss stops being finite is a result
+  (``diverged``), not an error, and is remembered as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+
+from experiments import config as config_lib
+from experiments import training
+from experiments.config import TrainConfig
+from skewadam_jax import transform as skewadam_transform
+
+# Short name → (tier, TierConfig field, TrainConfig field).
+TIER_KEYS = {
+    "backbone_m": ("backbone", "momentum", "backbone_momentum"),
+    "backbone_v": ("backbone", "second_moment", "backbone_second_moment"),
+    "expert_m": ("expert", "momentum", "expert_momentum"),
+    "router_v": ("router", "second_moment", "router_second_moment"),
+    "backbone_dir": ("backbone", "direction", "backbone_direction"),
+    "expert_dir": ("expert", "direction", "expert_direction"),
+}
+# Keys a configuration names only when they differ from this value (so rows
+# saved before the key existed keep their identity and their runs' folders).
+IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam"}
+
+
+def base_config(*, preset: str = "small", batch_size: int = 16, data: str | None = None,
+                eval_every: int = 100, eval_batches: int = 16) -> TrainConfig:
+  """The configuration a sweep's runs share before their own settings."""
+  return TrainConfig(preset=preset, batch_size=batch_size, data=data, eval_every=eval_every,
+                     eval_batches=eval_batches, ckpt_every=10**9,
+                     # every step timed and logged, for step-time ratios and
+                     # loss spikes; no text samples (they change no number)
+                     log_every=1, sample_tokens=0)
+
+
+def parse_skewadam_config(text: str) -> dict:
+  """``expert_m=int8,backbone_v=factored`` → ``{"expert_m": "int8", ...}``."""
+  out = {}
+  for part in filter(None, text.split(",")):
+    key, _, value = part.partition("=")
+    if key not in TIER_KEYS or not value:
+      raise ValueError(f"bad SkewAdam configuration {text!r}: use "
+                       f"{', '.join(k + '=...' for k in TIER_KEYS)}")
+    out[key] = value
+  return out
+
+
+def resolve_config(config: dict) -> dict:
+  """A partial SkewAdam configuration, completed from the library's defaults."""
+  defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
+              "expert": skewadam_transform.DEFAULT_EXPERT,
+              "router": skewadam_transform.DEFAULT_ROUTER}
+  resolved = {key: config.get(key, getattr(defaults[tier], field))
+              for key, (tier, field, _) in TIER_KEYS.items()}
+  return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
+
+
+def train_overrides(config: dict) -> dict:
+  """A SkewAdam configuration as ``TrainConfig`` fields."""
+  return {TIER_KEYS[key][2]: value for key, value in config.items()}
+
+
+def run_name(optimizer: str, config: dict | None) -> str:
+  """A configuration's folder-name stem: the optimizer and SkewAdam's settings."""
+  return optimizer + "".join(f"-{v}" for v in (config or {}).values())
+
+
+def _same_config(saved: dict | None, config: TrainConfig) -> bool:
+  # A run saved before a config field existed ran with that field's default.
+  saved = json.loads(json.dumps(config_lib.with_defaults(saved or {})))
+  return saved == json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def finished_summary(out: pathlib.Path, config: TrainConfig) -> dict | None:
+  """The summary of a finished run of exactly ``config`` in ``out``, else ``None``."""
+  try:
+    summary = json.loads((out / "summary.json").read_text())
+  except (OSError, ValueError):
+    return None
+  same = _same_config(summary.get("config"), config)
+  return summary if same and summary.get("completed") and "val_ppl" in summary else None
+
+
+def _diverged_record(out: pathlib.Path, config: TrainConfig) -> dict | None:
+  try:
+    record = json.loads((out / "diverged.json").read_text())
+  except (OSError, ValueError):
+    return None
+  return record if _same_config(record.get("config"), config) else None
+
+
+def run_or_reuse(base: TrainConfig, out: pathlib.Path, cache_dir, *,
+                 keep_checkpoints: bool = False, reuse: bool = False,
+                 allow_divergence: bool = False, **overrides) -> dict:
+  """Trains ``base`` with ``overrides`` into ``out``, or reads it back.
+
+  Args:
+    base: the sweep's shared configuration (:func:`base_config`).
+    out: the run's folder.
+    cache_dir: JAX's compilation cache folder (or ``None``).
+    keep_checkpoints: keep the run's checkpoints (by default only its
+      metrics and summary stay).
+    reuse: read a finished (or, with ``allow_divergence``, diverged) run of
+      exactly this configuration in ``out`` instead of training it again.
+    allow_divergence: a run stopped by a non-finite loss returns
+      ``val_ppl = inf`` and ``diverged = True`` (and leaves ``diverged.json``)
+      instead of raising :class:`~experiments.training.TrainingError`.
+    **overrides: ``TrainConfig`` fields of this run.
+
+  Returns:
+    ``{"val_ppl", "diverged", "tokens_per_s", "median_step_s",
+    "opt_state_bytes", "curve": [(tokens, val_ppl)], "losses": [(step, loss)]}``.
+  """
+  config = dataclasses.replace(base, **overrides)
+  summary = finished_summary(out, config) if reuse else None
+  diverged = _diverged_record(out, config) if reuse and allow_divergence else None
+  if summary is None and diverged is None:
+    shutil.rmtree(out, ignore_errors=True)  # a rerun replaces its own earlier run
+    try:
+      summary = training.train(config, out, cache_dir=cache_dir, progress=False)
+    except training.TrainingError as err:
+      if not allow_divergence:
+        raise
+      diverged = {"config": dataclasses.asdict(config), "error": str(err)}
+      (out / "diverged.json").write_text(json.dumps(diverged, indent=2) + "\n")
+  if not keep_checkpoints:  # a sweep needs the metrics and summary only
+    shutil.rmtree(out / "ckpt", ignore_errors=True)
+  metrics = out / "metrics.jsonl"
+  records = ([json.loads(line) for line in metrics.read_text().splitlines()]
+             if metrics.exists() else [])
+  result = {"curve": [(r["tokens"], r["val_ppl"]) for r in records if "val_ppl" in r],
+            "losses": [(r["step"], r["loss"]) for r in records if "loss" in r]}
+  if diverged is not None:
+    return {**result, "val_ppl": math.inf, "diverged": True, "tokens_per_s": None,
+            "median_step_s": None, "opt_state_bytes": None}
+  return {**result, "val_ppl": summary["val_ppl"], "diverged": False,
+          "tokens_per_s": summary["tokens_per_s"],
+          "median_step_s": summary.get("median_step_s"),
+          "opt_state_bytes": summary["opt_state_bytes_by_tier"]["total"]}
