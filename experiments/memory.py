@@ -75,7 +75,9 @@ def _parse_tiers(args) -> dict:
   return config_lib.TrainConfig(
       expert_momentum=args.expert_momentum, backbone_momentum=args.backbone_momentum,
       backbone_second_moment=args.backbone_second_moment,
-      router_second_moment=args.router_second_moment).skewadam_tiers()
+      router_second_moment=args.router_second_moment,
+      backbone_direction=args.backbone_direction,
+      expert_direction=args.expert_direction).skewadam_tiers()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--backbone-momentum", default=None, help="SkewAdam backbone encoding")
   parser.add_argument("--backbone-second-moment", default=None, help="exact | factored")
   parser.add_argument("--router-second-moment", default=None, help="exact | factored")
+  parser.add_argument("--backbone-direction", default=None, help="adam | orthogonal")
+  parser.add_argument("--expert-direction", default=None, help="adam | orthogonal")
   parser.add_argument("--update-in-backward", action="store_true",
                       help="the step that updates each layer inside the backward pass")
   parser.add_argument("--clip-mode", default="exact", help="with --update-in-backward: "

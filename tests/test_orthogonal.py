@@ -61,7 +61,8 @@ def _params():
   return {"embed": jax.random.normal(keys[0], (10, 6)),
           "norm": jax.random.normal(keys[1], (6,)),
           "moe": {"router": jax.random.normal(keys[2], (6, 3)),
-                  "experts": jax.random.normal(keys[3], (3, 6, 8))}}
+                  # a layer stack of banks [L, E, d, f]: the step maps over L
+                  "experts": jax.random.normal(keys[3], (2, 3, 6, 8))}}
 
 
 def _grads(step):
@@ -81,8 +82,8 @@ def test_orthogonal_tiers_follow_the_hand_written_loop(expert_momentum):
   state, adam_state = tx.init(params), adam.init(params)
   update = jax.jit(tx.update)
   encoding = encodings.get_encoding(expert_momentum)
-  axes = sa.MatrixAxes(1, 2)
-  m = jnp.zeros((3, 6, 8))
+  axes = sa.MatrixAxes(2, 3)
+  m = jnp.zeros((2, 3, 6, 8))
   for step in range(3):
     g = _grads(step)
     u, state = update(g, state)
