@@ -111,6 +111,9 @@ class TrainConfig:
   mesh: str | None = setting(None, "SPMD mesh, e.g. data=4,expert=2 "
                              "(experiments/mesh.py); a checkpoint resumes on "
                              "any mesh", structural=False, kind=str)
+  fsdp: bool = setting(False, "with --mesh: also split every matrix (its larger axis; "
+                       "parameters, gradients and optimizer state) over the mesh's data "
+                       "axis, as the memory planner's default layout does", structural=False)
   param_dtype: str | None = setting(None, "parameter dtype (default: the preset's)",
                                     structural=True, choices=PARAM_DTYPES, kind=str)
   stochastic_rounding: bool = setting(False, "round updates to bf16 parameters "
@@ -197,6 +200,8 @@ class TrainConfig:
       if self.model_config().moe_impl == "expert_parallel" and self.batch_size % shards:
         raise ValueError(f"--batch-size {self.batch_size} must divide by data x expert "
                          f"= {shards}: expert parallelism splits the batch over both")
+    if self.fsdp and not self.mesh:
+      raise ValueError("--fsdp splits parameters over a mesh: give --mesh too")
     if self.clip_mode not in ("exact", "stale"):
       raise ValueError(f"--clip-mode must be exact or stale, got {self.clip_mode!r}")
     if self.update_in_backward:

@@ -30,8 +30,11 @@ over ``matmul_flops``.
 ``--devices N`` compiles the step sharded over N devices of the target (an
 N-GPU node; N TPU chips), with the training command's mesh and shardings
 (``experiments/mesh.py``; the batch split over ``data``): ``--mesh
-data=A,expert=B`` (default: ``expert = gcd(N, experts)``, ``data = N /
-expert``), ``--fsdp`` to split the other matrices over ``data`` as well.
+data=A,expert=B`` and ``--fsdp``/``--no-fsdp`` (split every matrix over
+``data`` as well) choose the layout; by default ``data=N`` with FSDP, which
+is what fits and repeats no work with the dropless lowerings, or with
+``--moe-impl expert_parallel`` ``expert = gcd(N, experts)``, ``data = N /
+expert`` (``experiments.planner.default_layout``).
 Memory figures are then per device, ``--batch`` and the largest batch that
 fits are global (multiples of ``data``), and ``collective_bytes`` gives the
 bytes each collective kind handles per device per step, read from the
@@ -111,9 +114,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--devices", type=int, default=None,
                       help="compile for this many devices of the target (GPUs, TPU chips)")
   parser.add_argument("--mesh", default=None, help="with --devices: data=A,expert=B "
-                      "(default expert = gcd(devices, experts), data = the rest)")
-  parser.add_argument("--fsdp", action="store_true",
-                      help="with --devices: also split each matrix over the data axis")
+                      "(default: data=N, or with --moe-impl expert_parallel expert = "
+                      "gcd(N, experts) and data the rest)")
+  parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                      help="with --devices: also split each matrix over the data axis "
+                      "(default: on, except with --moe-impl expert_parallel)")
   parser.add_argument("--moe-impl", default=None,
                       help="the MoE lowering (default: the preset's); expert_parallel "
                       "sends tokens to their experts' devices (models/expert_parallel.py)")

@@ -260,8 +260,30 @@ def target_devices(target: str, count: int) -> tuple[list, str | None]:
   return cpus[:count], warning
 
 
+def default_layout(devices: int, num_experts: int, *,
+                   expert_parallel: bool = False) -> tuple[dict[str, int], bool]:
+  """The planner's default ``(mesh, fsdp)`` for ``devices``: what fits best as measured.
+
+  With the expert-parallel MoE (tokens sent to their experts' devices), the
+  expert banks split over ``expert`` as far as the counts allow
+  (:func:`default_mesh_shape`) and the batch over both axes. With the
+  dropless lowerings (blocked, ragged, dense), an expert axis makes XLA
+  gather whole banks to the tokens and devices repeat each other's work
+  (README, "Past one machine"), so every device takes a share of the batch
+  (``data = devices``) and every matrix is split over ``data`` (FSDP,
+  parameters, gradients and optimizer state alike). One device: no FSDP.
+
+  Example:
+    >>> default_layout(8, 8), default_layout(8, 8, expert_parallel=True)
+    (({'data': 8, 'expert': 1}, True), ({'data': 1, 'expert': 8}, False))
+  """
+  if expert_parallel:
+    return default_mesh_shape(devices, num_experts), False
+  return {"data": devices, "expert": 1}, devices > 1
+
+
 def default_mesh_shape(devices: int, num_experts: int) -> dict[str, int]:
-  """The planner's default mesh for ``devices``: ``expert = gcd(devices, num_experts)``.
+  """The mesh that splits the experts furthest: ``expert = gcd(devices, num_experts)``.
 
   The expert banks split as far as both counts allow (one expert per device
   when there are as many experts as devices), and the devices left over
@@ -276,7 +298,8 @@ def default_mesh_shape(devices: int, num_experts: int) -> dict[str, int]:
 
 
 def mesh_shape(devices: int, num_experts: int, spec: str | None = None) -> dict[str, int]:
-  """``{"data": a, "expert": b}`` for ``devices`` from a ``--mesh`` spec, or the default.
+  """``{"data": a, "expert": b}`` for ``devices`` from a ``--mesh`` spec, or
+  :func:`default_mesh_shape`.
 
   An axis left out of ``spec`` takes what the other leaves (``expert``
   defaults to 1 when only ``data`` is given).
@@ -575,14 +598,14 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
          param_dtype: Any = jnp.bfloat16, search_batch: bool = True,
          update_in_backward: bool = False, clip_mode: str = "exact",
          device_memory_gb: float | None = None, devices: int | None = None,
-         mesh: str | None = None, fsdp: bool = False, moe_impl: str | None = None,
+         mesh: str | None = None, fsdp: bool | None = None, moe_impl: str | None = None,
          progress=None) -> dict:
   """The planner's report (see the module docstring); JSON-serialisable.
 
   ``device_memory_gb`` checks the fit against a device of that size instead
   of the target's own memory (same margin rule), e.g. 24 for a 24 GB card.
   ``devices``, ``mesh`` (a ``--mesh`` spec such as ``"data=2,expert=4"``;
-  default :func:`default_mesh_shape`) and ``fsdp``: plan the step sharded
+  ``None``: :func:`default_layout`'s) and ``fsdp`` (``None``: the same): plan the step sharded
   over that many devices (:func:`compile_step`); ``batch`` and the largest
   batch that fits are then global, searched over multiples of the ``data``
   size. ``progress(message)``, if given, is told about each compile.
@@ -604,7 +627,15 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     devices = 1
   if target in TPU_TARGETS:
     check_tpu_target(target, devices)
-  mesh_sizes = None if devices is None else mesh_shape(devices, config.num_experts, mesh)
+  layout = None
+  if devices is not None:
+    default_mesh, default_fsdp = default_layout(
+        devices, config.num_experts, expert_parallel=config.moe_impl == "expert_parallel")
+    layout = "default" if mesh is None and fsdp is None else "given"
+    mesh_sizes = default_mesh if mesh is None else mesh_shape(devices, config.num_experts, mesh)
+    fsdp = default_fsdp if fsdp is None else fsdp
+  else:
+    mesh_sizes, fsdp = None, False
   data = batch_shards(mesh_sizes, config.moe_impl == "expert_parallel") if mesh_sizes else 1
   if batch % data:
     raise ValueError(f"--batch {batch} does not split over the mesh's "
@@ -652,6 +683,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "update_in_backward": update_in_backward,
       "clip_mode": clip_mode if update_in_backward else None,
       "devices": devices or 1, "mesh": mesh_sizes, "fsdp": fsdp if devices else None,
+      "layout": layout,
       "moe_impl": config.moe_impl,
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
       "param_bytes": param_bytes, "grad_bytes": grad_bytes,
@@ -736,7 +768,8 @@ def markdown_devices_table(reports: Sequence[dict]) -> str:
     step = "in backward" if r.get("update_in_backward") else "standard"
     mesh = r.get("mesh") or {"data": 1, "expert": 1}
     layout = (f"{r.get('devices', 1)} x {r['target']}, data={mesh['data']} x "
-              f"expert={mesh['expert']}{', fsdp' if r.get('fsdp') else ''}")
+              f"expert={mesh['expert']}{', fsdp' if r.get('fsdp') else ''}"
+              f"{' (default)' if r.get('layout') == 'default' else ''}")
     held = r["per_device_param_bytes"] + r["per_device_opt_state_bytes"]
     moved = r.get("collective_bytes") or {}
     traffic = " / ".join(f"{moved.get(kind, 0) / GB:,.1f}" for kind in

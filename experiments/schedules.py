@@ -49,7 +49,7 @@ def loss_spikes(losses: Sequence[float], window: int = SPIKE_WINDOW,
   spiking steps are one spike. A non-finite loss spikes.
 
   Example:
-    >>> loss_spikes([3.0] * 30 + [4.0, 4.0] + [3.0] * 5 + [3.5])
+    >>> loss_spikes([3.0] * 30 + [4.0, 4.0] + [3.0] * 5 + [3.2])  # 3.2: within 10 %
     1
   """
   spikes, inside = 0, False

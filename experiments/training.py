@@ -121,7 +121,7 @@ class Run:
       mesh = mesh_lib.make_mesh(**mesh_lib.parse_mesh(config.mesh))
       self.spmd = mesh_lib.spmd_steps(
           mesh, self.tx, self.initial_params, train_step, eval_step, axes=self.axes,
-          expert_parallel=self.model_config.moe_impl == "expert_parallel")
+          fsdp=config.fsdp, expert_parallel=self.model_config.moe_impl == "expert_parallel")
       self.train_step, self.eval_step = self.spmd.train_step, self.spmd.eval_step
     else:
       self.train_step = jax.jit(train_step, donate_argnums=(0, 1))

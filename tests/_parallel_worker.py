@@ -117,7 +117,7 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
 
 
 def train_command(tmp: pathlib.Path) -> dict:
-  """`experiments.train` with --mesh: runs, evaluates, checkpoints sharded arrays."""
+  """`experiments.train` with --mesh and --fsdp: runs, evaluates, checkpoints sharded arrays."""
   corpus = tmp / "corpus"
   corpus.mkdir()
   rng = np.random.default_rng(0)
@@ -126,7 +126,7 @@ def train_command(tmp: pathlib.Path) -> dict:
     (corpus / f"{name}.txt").write_text(
         "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(200)))
   config = TrainConfig(
-      preset="tiny", mesh="data=2,expert=4", steps=3, batch_size=4, seq_len=16,
+      preset="tiny", mesh="data=2,expert=4", fsdp=True, steps=3, batch_size=4, seq_len=16,
       eval_batches=1, warmup_steps=1, data=str(corpus))
   summary = training.train(config, tmp / "run", cache_dir=tmp / "tok", progress=False)
   expert = summary["_params"]["layers"]["moe"]["experts"]["w_up"]

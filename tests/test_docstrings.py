@@ -32,7 +32,7 @@ def test_every_public_name_is_documented():
                                   "experiments.distributed", "experiments.optimizers",
                                   "experiments.update_in_backward", "experiments.monitoring",
                                   "experiments.sampling", "experiments.hlo",
-                                  "experiments.planner"])
+                                  "experiments.planner", "experiments.schedules"])
 def test_model_and_experiment_library_examples(name):
   result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
   assert result.failed == 0

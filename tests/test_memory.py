@@ -220,8 +220,9 @@ def test_devices_plan_of_tiny_on_the_gpu_target():
   if not planner.gpu_compile_available("a100-40gb"):
     pytest.skip("gpu-compile extra not installed: cannot compile for the A100 target here")
   report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
-                        search_batch=False)
+                        mesh="data=2,expert=4", search_batch=False)
   assert report["devices"] == 8 and report["mesh"] == {"data": 2, "expert": 4}
+  assert report["fsdp"] is False and report["layout"] == "given"
   assert report["warning"] is None and report["fits"]
   # Parameters and state are donated: one device's shards alias its outputs.
   xla = report["xla"]
@@ -248,6 +249,31 @@ def test_devices_plan_of_the_expert_parallel_layer_moves_tokens():
   with pytest.raises(ValueError, match=r"data=2 x expert=4 \(expert parallelism\)"):
     planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
                  moe_impl="expert_parallel", search_batch=False)
+
+
+def test_the_default_layout_is_data_parallel_fsdp_or_expert_parallel(monkeypatch):
+  seen = []
+
+  def fake_compile(preset, optimizer, *, batch, mesh, fsdp, **_):
+    seen.append((mesh, fsdp))
+    return {"xla": {"argument": 0, "output": 0, "alias": 0, "temp": 0, "peak": 1},
+            "matmul_flops": 1, "device_matmul_flops": 1, "warning": None}
+  monkeypatch.setattr(planner, "compile_step", fake_compile)
+  report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
+                        search_batch=False)
+  assert seen[-1] == ({"data": 8, "expert": 1}, True)
+  assert (report["mesh"], report["fsdp"], report["layout"]) == (
+      {"data": 8, "expert": 1}, True, "default")
+  assert "data=8 x expert=1, fsdp (default)" in planner.markdown_devices_table([report])
+  planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
+               moe_impl="expert_parallel", search_batch=False)
+  assert seen[-1] == ({"data": 2, "expert": 4}, False)  # tiny's 4 experts
+  report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
+                        fsdp=False, search_batch=False)
+  assert seen[-1] == ({"data": 8, "expert": 1}, False) and report["layout"] == "given"
+  planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
+               mesh="expert=4", search_batch=False)
+  assert seen[-1] == ({"data": 2, "expert": 4}, True)
 
 
 def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
@@ -282,14 +308,14 @@ def test_tpu_target_compiles_tiny_on_four_chips(monkeypatch):
   report = planner.plan("tiny", "skewadam", target="tpu-v6e", devices=4, batch=4, seq=16,
                         search_batch=False)
   assert report["compiled_for"] == "tpu-v6e" and report["device_bytes"] == 32 * 10**9
-  assert report["mesh"] == {"data": 1, "expert": 4} and report["fits"]
+  assert report["mesh"] == {"data": 4, "expert": 1} and report["fsdp"] and report["fits"]
   assert report["xla"]["alias"] > 0 and report["device_matmul_flops"] is None
 
 
 def test_bad_devices_flags_fail_with_one_line(capsys):
   base = ["--preset", "tiny", "--seq", "16", "--no-search"]
   cases = [(["--devices", "8", "--mesh", "data=3,expert=2"], "does not fit --devices 8"),
-           (["--devices", "8", "--batch", "3"], "--batch 3 does not split over the mesh's data=2"),
+           (["--devices", "8", "--batch", "3"], "--batch 3 does not split over the mesh's data=8"),
            (["--mesh", "data=2"], "--mesh and --fsdp need --devices"),
            (["--devices", "0"], "--devices must be >= 1"),
            (["--target", "tpu-v6e", "--devices", "3"], "not a tpu-v6e slice"),

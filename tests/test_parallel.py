@@ -281,7 +281,8 @@ def test_state_is_laid_out_as_the_helper_says(eight_devices, case):
 def test_train_command_with_a_mesh(eight_devices):
   result = eight_devices["train"]
   assert np.isfinite(result["val_ppl"]) and np.isfinite(result["train_loss"])
-  assert result["w_up_spec"] == ["None", "expert", "None", "None"]
+  # [L, E, D, F]: experts over `expert`, and with --fsdp the larger matrix axis over `data`.
+  assert result["w_up_spec"] == ["None", "expert", "None", "data"]
   assert result["checkpoints"] == ["3"]
 
 
