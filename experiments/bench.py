@@ -94,6 +94,8 @@ def optimizers_to_bench() -> dict[str, optax.GradientTransformation]:
   txs = {"skewadam (default)": skewadam_jax.skewadam(lr)}
   for name in ("fp32", "bf16", "int8", "none"):
     txs[f"skewadam expert={name}"] = skewadam_jax.skewadam(lr, expert={"momentum": name})
+  txs["skewadam orthogonal"] = skewadam_jax.skewadam(  # Muon's direction in both tiers
+      lr, backbone={"direction": "orthogonal"}, expert={"direction": "orthogonal"})
   txs["optax.adamw"] = optax.adamw(lr)
   txs["optax.adafactor"] = optax.adafactor(lr)
   txs["optax.lion"] = optax.lion(lr)
@@ -205,11 +207,21 @@ def bench_updates(params, *, repeats: int, rounds: int = 3) -> dict:
   return {"copy_gbps": copy_gbps, "num_params": n, "rounds": rounds, "rows": rows}
 
 
+# The train steps compared: name → TrainConfig overrides.
+TRAIN_STEPS = {
+    "skewadam": {"optimizer": "skewadam"},
+    "adamw": {"optimizer": "adamw"},
+    "skewadam orthogonal": {"optimizer": "skewadam", "backbone_direction": "orthogonal",
+                            "expert_direction": "orthogonal"},
+    "muon": {"optimizer": "muon"},
+}
+
+
 def bench_train_step(*, steps: int, rounds: int) -> dict:
-  """tokens/s of the ``small`` train step, SkewAdam vs AdamW, alternating rounds."""
+  """tokens/s of the ``small`` train step for each of :data:`TRAIN_STEPS`, alternating rounds."""
   runs = {}
-  for name in ("skewadam", "adamw"):
-    run = training.Run(TrainConfig(preset="small", optimizer=name, steps=1000))
+  for name, overrides in TRAIN_STEPS.items():
+    run = training.Run(TrainConfig(preset="small", steps=1000, **overrides))
     params, state = run.init_state()
     batches = [run.dataset.batch_at(i) for i in range(steps)]
     runs[name] = [run, params, state, batches, []]
@@ -225,6 +237,8 @@ def bench_train_step(*, steps: int, rounds: int) -> dict:
       entry[1], entry[2] = params, state
   result = {name: tokens / statistics.median(entry[4][1:]) for name, entry in runs.items()}
   return {"tokens_per_s": result, "ratio_skewadam_to_adamw": result["skewadam"] / result["adamw"],
+          "step_time_ratio_to_adamw": {name: result["adamw"] / tps
+                                       for name, tps in result.items()},
           "steps_per_round": steps, "rounds": rounds}
 
 
@@ -304,8 +318,9 @@ def markdown(update: dict, train: dict | None) -> str:
                  f"| {r['page_faults_per_update']:,.0f} |")
   if train:
     t = train["tokens_per_s"]
-    lines += ["", f"train step (small): SkewAdam {t['skewadam']:,.0f} tokens/s, AdamW "
-              f"{t['adamw']:,.0f} tokens/s, ratio {train['ratio_skewadam_to_adamw']:.3f}"]
+    lines += ["", "| train step (small) | tokens/s | step time × AdamW |", "|---|---|---|"]
+    lines += [f"| {name} | {tps:,.0f} | {train['step_time_ratio_to_adamw'][name]:.2f} |"
+              for name, tps in t.items()]
   return "\n".join(lines)
 
 

@@ -109,3 +109,11 @@ def test_cli_reexecutes_under_the_tuned_allocator(monkeypatch):
   assert bench.malloc_setting() == "tuned"
   bench._cli(["--json"])  # pylint: disable=protected-access
   assert not calls
+
+
+def test_markdown_lists_every_train_step_with_its_ratio(result):
+  train = {"tokens_per_s": {"skewadam": 900.0, "adamw": 1000.0, "skewadam orthogonal": 500.0},
+           "step_time_ratio_to_adamw": {"skewadam": 1000 / 900, "adamw": 1.0,
+                                        "skewadam orthogonal": 2.0}}
+  text = bench.markdown(result, train)
+  assert "| skewadam orthogonal | 500 | 2.00 |" in text and "| adamw | 1,000 | 1.00 |" in text
