@@ -90,13 +90,16 @@ def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
     dims = optimizers.muon_dimension_numbers(axes)(params)
     orthogonal = [d is not None for d in jax.tree.leaves(
         dims, is_leaf=lambda x: x is None or isinstance(x, optimizers.MuonDimensionNumbers))]
+  elif optimizer == "skewadam":
+    orthogonal = [plan.orthogonal for plan in plans]
   rows = []
   for i, (path, leaf, plan) in enumerate(zip(paths, leaves, plans)):
     rows.append({
         "path": path, "shape": list(leaf.shape), "axes": list(axes[path]),
         "tier": plan.tier if plan else None,
         "momentum": (plan.encoding.name if plan.encoding else "none") if plan else None,
-        "second_moment": ("factored" if plan.factored else "exact") if plan else None,
+        "second_moment": (("none" if plan.orthogonal else "factored" if plan.factored
+                           else "exact") if plan else None),
         "decayed": decayed[i],
         "orthogonalized": orthogonal[i] if orthogonal is not None else None,
         "state_bytes": nbytes[i]})

@@ -82,7 +82,17 @@ def test_per_leaf_plan_matches_what_the_optimizer_does(tiny_params, optimizer):
       assert (row["second_moment"] == "exact") == (tuple(nu.shape) == tuple(row["shape"]))
   else:
     assert {r["tier"] for r in rows} == {None}
-  assert ({r["orthogonalized"] for r in rows} == {None}) == (optimizer != "muon")
+  assert ({r["orthogonalized"] for r in rows} == {None}) == (optimizer not in ("muon",
+                                                                           "skewadam"))
+
+
+def test_orthogonal_tiers_orthogonalise_what_muon_does():
+  tiers = {"backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"}}
+  rows = accounting.per_leaf("tiny", "skewadam", skewadam_tiers=tiers)
+  muon = accounting.per_leaf("tiny", "muon")
+  assert ([r["orthogonalized"] for r in rows] == [r["orthogonalized"] for r in muon]
+          and any(r["orthogonalized"] for r in rows))
+  assert all((r["second_moment"] == "none") == r["orthogonalized"] for r in rows)
 
 
 def test_per_leaf_command_writes_json(capsys):
