@@ -330,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--experts", type=int, default=16)
+  parser.add_argument("--d-model", type=int, default=512)
+  parser.add_argument("--d-ff", type=int, default=704, help="each expert's hidden width")
+  parser.add_argument("--vocab", type=int, default=8192)
   parser.add_argument("--repeats", type=int, default=10,
                       help="timed calls per optimizer and round (median)")
   parser.add_argument("--rounds", type=int, default=3,
@@ -354,11 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
            for k, v in result["temp_bytes"].items()]
         + ([f"  warning: {result['warning']}"] if result["warning"] else [])))
     return 0
-  if min(args.repeats, args.rounds, args.layers, args.experts) < 1:
-    print("error: --repeats, --rounds, --layers and --experts must be >= 1", file=sys.stderr)
+  sizes = ("repeats", "rounds", "layers", "experts", "d_model", "d_ff", "vocab")
+  if min(getattr(args, name) for name in sizes) < 1:
+    print("error: " + ", ".join(f"--{n.replace('_', '-')}" for n in sizes) + " must be >= 1",
+          file=sys.stderr)
     return 2
-  update = bench_updates(moe_tree(layers=args.layers, experts=args.experts),
-                         repeats=args.repeats, rounds=args.rounds)
+  tree = moe_tree(layers=args.layers, experts=args.experts, d_model=args.d_model,
+                  d_ff=args.d_ff, vocab=args.vocab)
+  update = bench_updates(tree, repeats=args.repeats, rounds=args.rounds)
   train = None if args.skip_train_step else bench_train_step(
       steps=args.train_steps, rounds=args.train_rounds)
   if args.json:

@@ -31,7 +31,8 @@ over ``matmul_flops``.
 N-GPU node; N TPU chips), with the training command's mesh and shardings
 (``experiments/mesh.py``; the batch split over ``data``): ``--mesh
 data=A,expert=B`` and ``--fsdp``/``--no-fsdp`` (split every matrix over
-``data`` as well) choose the layout; by default ``data=N`` with FSDP, which
+``data`` as well; off by default with a given mesh) choose the layout; by
+default ``data=N`` with FSDP, which
 is what fits and repeats no work with the dropless lowerings, or with
 ``--moe-impl expert_parallel`` ``expert = gcd(N, experts)``, ``data = N /
 expert`` (``experiments.planner.default_layout``).
@@ -118,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                       "gcd(N, experts) and data the rest)")
   parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                       help="with --devices: also split each matrix over the data axis "
-                      "(default: on, except with --moe-impl expert_parallel)")
+                      "(default: on with the default mesh, except with --moe-impl "
+                      "expert_parallel; off with a given --mesh)")
   parser.add_argument("--moe-impl", default=None,
                       help="the MoE lowering (default: the preset's); expert_parallel "
                       "sends tokens to their experts' devices (models/expert_parallel.py)")

@@ -633,7 +633,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
         devices, config.num_experts, expert_parallel=config.moe_impl == "expert_parallel")
     layout = "default" if mesh is None and fsdp is None else "given"
     mesh_sizes = default_mesh if mesh is None else mesh_shape(devices, config.num_experts, mesh)
-    fsdp = default_fsdp if fsdp is None else fsdp
+    if fsdp is None:  # FSDP by default only with the default mesh
+      fsdp = default_fsdp if mesh is None else False
   else:
     mesh_sizes, fsdp = None, False
   data = batch_shards(mesh_sizes, config.moe_impl == "expert_parallel") if mesh_sizes else 1

@@ -42,10 +42,12 @@ def test_bytes_moved_per_parameter(result):
 
 
 def test_command_json(capsys):
-  assert bench.main(["--layers", "1", "--experts", "2", "--repeats", "1", "--skip-train-step",
+  assert bench.main(["--layers", "1", "--experts", "2", "--d-model", "32", "--d-ff", "48",
+                     "--vocab", "64", "--repeats", "1", "--rounds", "1", "--skip-train-step",
                      "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert {"copy_gbps", "rows", "num_params"} <= set(out)
+  assert out["num_params"] < 50_000
   assert {"optimizer", "update_ms", "bytes_per_param", "gbps", "ratio_to_adamw"} <= set(
       out["rows"][0])
 

@@ -113,11 +113,11 @@ def test_gpu_check_phase_runs_tiny_steps_on_any_device(update_in_backward):
 
 
 def test_tier_flags_become_skewadam_tier_configs():
-  import argparse  # pylint: disable=import-outside-toplevel
-  args = argparse.Namespace(expert_momentum="int8", backbone_momentum="fp32",
-                            backbone_second_moment="exact", router_second_moment=None)
+  args = memory._parser().parse_args([  # pylint: disable=protected-access
+      "--expert-momentum", "int8", "--backbone-momentum", "fp32",
+      "--backbone-second-moment", "exact", "--expert-direction", "orthogonal"])
   assert memory._parse_tiers(args) == {  # pylint: disable=protected-access
-      "expert": {"momentum": "int8"},
+      "expert": {"momentum": "int8", "direction": "orthogonal"},
       "backbone": {"momentum": "fp32", "second_moment": "exact"}}
 
 
@@ -271,8 +271,12 @@ def test_the_default_layout_is_data_parallel_fsdp_or_expert_parallel(monkeypatch
   report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
                         fsdp=False, search_batch=False)
   assert seen[-1] == ({"data": 8, "expert": 1}, False) and report["layout"] == "given"
+  # A mesh given without --fsdp is that mesh, replicated as before.
   planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
                mesh="expert=4", search_batch=False)
+  assert seen[-1] == ({"data": 2, "expert": 4}, False)
+  planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
+               mesh="expert=4", fsdp=True, search_batch=False)
   assert seen[-1] == ({"data": 2, "expert": 4}, True)
 
 
