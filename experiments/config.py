@@ -24,7 +24,11 @@ from experiments import mesh as mesh_lib
 PARAM_DTYPES = ("float32", "bfloat16")
 
 
-def setting(default: Any, help: str, *, structural: bool, choices=None, kind=None):  # pylint: disable=redefined-builtin
+_AS_DEFAULT = object()
+
+
+def setting(default: Any, help: str, *, structural: bool, choices=None, kind=None,  # pylint: disable=redefined-builtin
+            before: Any = _AS_DEFAULT):
   """A config field with its help text, allowed values and resume rule.
 
   Args:
@@ -34,10 +38,13 @@ def setting(default: Any, help: str, *, structural: bool, choices=None, kind=Non
     choices: the allowed values, shown in ``--help`` and checked by argparse.
     kind: the flag's type (``int``, ``float``, ``str``, ``bool``); by default
       that of ``default``.
+    before: what runs saved before the field existed did, when that is not
+      ``default`` (:func:`with_defaults`).
   """
   kind = kind or type(default)
   return dataclasses.field(default=default, metadata={
-      "help": help, "structural": structural, "choices": choices, "kind": kind})
+      "help": help, "structural": structural, "choices": choices, "kind": kind,
+      "before": default if before is _AS_DEFAULT else before})
 
 
 _ENCODINGS = tuple(skewadam_jax.ENCODINGS)
@@ -85,7 +92,8 @@ class TrainConfig:
   ckpt_every: int = setting(100, "checkpoint every this many steps", structural=False)
   log_every: int = setting(10, "log metrics every this many steps", structural=False)
   sample_tokens: int = setting(48, "tokens of text sampled at each evaluation, logged "
-                               "and in TensorBoard (0: none)", structural=False)
+                               "and in TensorBoard (0: none)", structural=False,
+                               before=0)  # runs sampled no text before the flag
   moe_impl: str | None = setting(None, "dropless expert lowering (default: the "
                                  "preset's)", structural=True,
                                  choices=tuple(models.MOE_IMPLS), kind=str)
@@ -220,10 +228,11 @@ STRUCTURAL_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)
 def with_defaults(saved: dict) -> dict:
   """A saved configuration (a checkpoint's, a run's summary) with the fields it predates filled in.
 
-  A field added to :class:`TrainConfig` after a run was saved took its default
-  in that run, so the run is still the same configuration.
+  A field added to :class:`TrainConfig` after a run was saved takes what that
+  run did: its default, or the field's ``before`` value where the default
+  changed behaviour (``sample_tokens``: runs sampled no text before it).
   """
-  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  defaults = {f.name: f.metadata["before"] for f in dataclasses.fields(TrainConfig)}
   return {**defaults, **saved}
 
 

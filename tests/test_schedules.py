@@ -51,3 +51,4 @@ def test_saved_configs_take_the_defaults_of_fields_they_predate():
   full = with_defaults(saved)
   assert full["schedule"] == "cosine" and full["decay_fraction"] == 0.2
   assert full["lr"] == 0.1 and full["preset"] == "tiny"
+  assert full["sample_tokens"] == 0  # what runs did before the flag, not its default
