@@ -57,9 +57,9 @@ import experiments
 from experiments import optimizers
 from experiments import accounting
 from experiments.config import TrainConfig
-from experiments.sweeps import base_config, parse_skewadam_config, resolve_config
-from experiments.sweeps import run_name, run_or_reuse, train_overrides
-from skewadam_jax import transform as skewadam_transform
+from experiments.sweeps import base_config, entry_key, parse_entries, resolve_config
+from experiments.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
+from experiments.sweeps import tuned_rates
 
 # --quick is a first look (the grid is not extended: its rates may sit at an edge).
 QUICK = dict(steps=100, sweep_steps=40, seeds=(0, 1), eval_every=50, eval_batches=4,
@@ -126,16 +126,10 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   """
   out_dir = pathlib.Path(out_dir)
   rows, seen = [], []
-  unique = {(o, json.dumps(resolve_config(c or {}) if o == "skewadam" else None,
-                           sort_keys=True)) for o, c in entries}
+  unique = {entry_key(o, resolve_entry(o, c)) for o, c in entries}
   if fixed_lrs is not None:
     lr_factors, max_extensions = (), 0
-    fixed = {row_key(r): r["lr"] for r in fixed_lrs}
-    for o, c in entries:
-      key = (o, json.dumps(resolve_config(c or {}) if o == "skewadam" else "default",
-                           sort_keys=True))
-      if key not in fixed:
-        raise ValueError(f"no learning rate for {o} {c or ''} in the given comparison rows")
+    fixed = tuned_rates(entries, fixed_lrs)
   extensions = max_extensions if len(lr_factors) > 1 else 0
   per_entry = len(lr_factors) + extensions + len(seeds)
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -143,10 +137,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
              dynamic_ncols=True, file=sys.stderr)
   run_one = functools.partial(run_or_reuse, keep_checkpoints=keep_checkpoints, reuse=reuse_runs)
   for optimizer, config in entries:
-    if optimizer == "skewadam":
-      config = resolve_config(config or {})
-    else:
-      config = None
+    config = resolve_entry(optimizer, config)
     if (optimizer, config) in seen:
       continue
     seen.append((optimizer, config))
@@ -164,9 +155,6 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
       bar.update(1)
 
     score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
-    if fixed_lrs is not None:
-      sweep.append({"lr": fixed[(optimizer, json.dumps(config or "default", sort_keys=True))],
-                    "val_ppl": math.nan, "from": "fixed"})
     for lr in lr_grid(optimizer, lr_factors):
       try_lr(lr)
     # A best rate at the edge of the grid is not a tuned rate: extend the grid
@@ -183,17 +171,16 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
         break
     bar.total -= len(lr_factors) + extensions - len(sweep)  # extensions not needed
     bar.refresh()
-    best = min(sweep, key=score) if fixed_lrs is None else sweep[0]
-    if fixed_lrs is not None:
-      sweep = []  # no sweep was run
+    best_lr = (fixed[entry_key(optimizer, config)] if fixed_lrs is not None
+               else min(sweep, key=score)["lr"])
     finals = [run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
-                   optimizer=optimizer, lr=best["lr"], steps=steps, seed=seed,
+                   optimizer=optimizer, lr=best_lr, steps=steps, seed=seed,
                    warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
     bar.update(len(finals))
     ppls = [f["val_ppl"] for f in finals]
     tiers = dataclasses.replace(base, **overrides).skewadam_tiers()  # pylint: disable=no-member
     rows.append({
-        "optimizer": optimizer, "config": config or "default", "lr": best["lr"],
+        "optimizer": optimizer, "config": config or "default", "lr": best_lr,
         "seeds": list(seeds), "val_ppl_by_seed": ppls,
         "val_ppl_mean": statistics.mean(ppls),
         "val_ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
@@ -204,7 +191,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
         "median_step_s": statistics.median(f["median_step_s"] or 0.0 for f in finals),
         "curve_seed0": finals[0]["curve"], "sweep": sweep,
     })
-    log(f"{name}: lr {best['lr']:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
+    log(f"{name}: lr {best_lr:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
         f"± {rows[-1]['val_ppl_std']:.2f}")
   bar.close()
   _add_step_time_ratios(rows)
@@ -218,11 +205,6 @@ def _add_step_time_ratios(rows: Sequence[dict]) -> None:
     r["step_time_ratio_to_adamw"] = (
         r["median_step_s"] / adamw["median_step_s"]
         if adamw and adamw["median_step_s"] and r["median_step_s"] else None)
-
-
-def row_key(row: dict) -> tuple[str, str]:
-  """What identifies a comparison row: its optimizer and configuration."""
-  return row["optimizer"], json.dumps(row["config"], sort_keys=True)
 
 
 def merge_rows(kept: Sequence[dict], rerun: Sequence[dict]) -> list[dict]:
@@ -416,19 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.seeds:
     budget["seeds"] = tuple(int(s) for s in args.seeds.split(","))
   try:
-    entries = [(name, None) for name in filter(None, args.optimizers.split(","))]
-    for name, _ in entries:
-      if name not in optimizers.OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose from "
-                         f"{', '.join(optimizers.OPTIMIZERS)}")
-    entries += [("skewadam", parse_skewadam_config(c))
-                for c in args.skewadam_configs.split(";") if c]
+    entries = parse_entries(args.optimizers, args.skewadam_configs)
     if args.ablation:
       entries += [("skewadam", c) for c in ABLATION]
-    for _, config in entries:
-      if config:
-        skewadam_transform.scale_by_skewadam(  # unknown encodings fail here, not an hour in
-            **TrainConfig(**train_overrides(config)).skewadam_tiers())
     base = base_config(preset=args.preset, batch_size=args.batch_size, data=args.data,
                        eval_every=budget["eval_every"], eval_batches=budget["eval_batches"])
     out = pathlib.Path(args.out)

@@ -32,8 +32,9 @@ from typing import Sequence
 
 import experiments
 from experiments import optimizers
-from experiments.sweeps import (base_config, parse_skewadam_config, resolve_config, run_name,
-                                run_or_reuse, train_overrides)
+from experiments.sweeps import (base_config, entry_key, parse_entries, resolve_config,
+                                resolve_entry, row_key, run_name, run_or_reuse, train_overrides,
+                                tuned_rates)
 
 LR_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 SPIKE_WINDOW = 20
@@ -62,7 +63,7 @@ def loss_spikes(losses: Sequence[float], window: int = SPIKE_WINDOW,
 
 
 def _row_key(row: dict) -> tuple:
-  return row["optimizer"], json.dumps(row["config"], sort_keys=True), row["schedule"]
+  return (*row_key(row), row["schedule"])
 
 
 def sweep_schedules(entries: Sequence[tuple[str, dict | None]], *, base, out_dir: pathlib.Path,
@@ -89,14 +90,10 @@ def sweep_schedules(entries: Sequence[tuple[str, dict | None]], *, base, out_dir
   Returns:
     One row per entry, schedule and rate (see the module docstring).
   """
-  centres = {(r["optimizer"], json.dumps(r["config"], sort_keys=True)): r["lr"] for r in tuned}
+  centres = tuned_rates(entries, tuned, what="tuned learning rate")
   resolved = []
   for optimizer, config in entries:
-    config = resolve_config(config or {}) if optimizer == "skewadam" else None
-    key = (optimizer, json.dumps(config or "default", sort_keys=True))
-    if key not in centres:
-      raise ValueError(f"no tuned learning rate for {optimizer} {config or ''} in the "
-                       "given comparison rows")
+    config = resolve_entry(optimizer, config)
     if (optimizer, config) not in resolved:
       resolved.append((optimizer, config))
   for schedule in schedules:
@@ -105,7 +102,7 @@ def sweep_schedules(entries: Sequence[tuple[str, dict | None]], *, base, out_dir
                        f"{', '.join(optimizers.SCHEDULES)}")
   rows = []
   for optimizer, config in resolved:
-    centre = centres[(optimizer, json.dumps(config or "default", sort_keys=True))]
+    centre = centres[entry_key(optimizer, config)]
     name = run_name(optimizer, config)
     overrides = train_overrides(config) if config else {}
     for schedule in schedules:
@@ -247,13 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.render:
     return _write(json.loads(pathlib.Path(args.render).read_text()), out, write_json=False)
   try:
-    entries = [(name, None) for name in filter(None, args.optimizers.split(","))]
-    for name, _ in entries:
-      if name not in optimizers.OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose from "
-                         f"{', '.join(optimizers.OPTIMIZERS)}")
-    entries += [("skewadam", parse_skewadam_config(c))
-                for c in args.skewadam_configs.split(";") if c]
+    entries = parse_entries(args.optimizers, args.skewadam_configs)
     rows = sweep_schedules(
         entries, base=base_config(preset=args.preset, batch_size=args.batch_size,
                                   data=args.data),

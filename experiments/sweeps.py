@@ -19,6 +19,7 @@ import pathlib
 import shutil
 
 from experiments import config as config_lib
+from experiments import optimizers
 from experiments import training
 from experiments.config import TrainConfig
 from skewadam_jax import transform as skewadam_transform
@@ -72,6 +73,52 @@ def resolve_config(config: dict) -> dict:
 def train_overrides(config: dict) -> dict:
   """A SkewAdam configuration as ``TrainConfig`` fields."""
   return {TIER_KEYS[key][2]: value for key, value in config.items()}
+
+
+def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str, dict | None]]:
+  """``"adamw,muon"`` and ``"expert_m=int8;backbone_dir=orthogonal"`` → the entries of a sweep.
+
+  Raises:
+    ValueError: one line, for an unknown optimizer or SkewAdam setting, or an
+      unknown encoding (found here, not an hour into the sweep).
+  """
+  entries = [(name, None) for name in filter(None, optimizer_names.split(","))]
+  for name, _ in entries:
+    if name not in optimizers.OPTIMIZERS:
+      raise ValueError(f"unknown optimizer {name!r}; choose from "
+                       f"{', '.join(optimizers.OPTIMIZERS)}")
+  configs = [parse_skewadam_config(c) for c in skewadam_configs.split(";") if c]
+  for config in configs:
+    skewadam_transform.scale_by_skewadam(**TrainConfig(**train_overrides(config)).skewadam_tiers())
+  return entries + [("skewadam", c) for c in configs]
+
+
+def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
+  """An entry's configuration as its row names it: SkewAdam's resolved, else ``None``."""
+  return resolve_config(config or {}) if optimizer == "skewadam" else None
+
+
+def row_key(row: dict) -> tuple[str, str]:
+  """What identifies a sweep's row: its optimizer and configuration."""
+  return row["optimizer"], json.dumps(row["config"], sort_keys=True)
+
+
+def entry_key(optimizer: str, resolved: dict | None) -> tuple[str, str]:
+  """:func:`row_key` of the row an entry (configuration from :func:`resolve_entry`) makes."""
+  return row_key({"optimizer": optimizer, "config": resolved or "default"})
+
+
+def tuned_rates(entries, rows, *, what: str = "learning rate") -> dict[tuple[str, str], float]:
+  """Each entry's learning rate in a saved comparison's ``rows``, by :func:`entry_key`.
+
+  Raises:
+    ValueError: naming an entry that has no row there.
+  """
+  rates = {row_key(r): r["lr"] for r in rows}
+  for optimizer, config in entries:
+    if entry_key(optimizer, resolve_entry(optimizer, config)) not in rates:
+      raise ValueError(f"no {what} for {optimizer} {config or ''} in the given comparison rows")
+  return rates
 
 
 def run_name(optimizer: str, config: dict | None) -> str:
