@@ -27,7 +27,12 @@ sweep``), ``compare.md`` (the table), ``val_ppl.png`` (validation perplexity
 against tokens, seed 0), ``state_bytes.png`` (optimizer state at
 ``moe-6.78b``) and, with more than one SkewAdam configuration,
 ``frontier.png`` (validation perplexity against state at ``moe-6.78b``); every
-run's folder goes under ``--runs``.
+run's folder goes under ``--runs``. ``--name STEM`` writes ``STEM.json`` and
+``STEM.md`` instead, and prefixes the plots with ``STEM-``; ``--shorter
+COMPARE_JSON`` sets the comparison beside one at a shorter horizon (say the
+same rows at a quarter of the tokens): a table of both perplexities and ranks
+(:func:`horizon_table`) and ``horizons.png``, both horizons' curves on one
+token axis.
 
 A SkewAdam row's ``config`` is its full tier configuration
 (``backbone_m, backbone_v, expert_m, router_v``), resolved against the
@@ -276,8 +281,62 @@ def choice_text(rows: Sequence[dict]) -> str:
              "AdamW, so the smallest state that does."))
 
 
-def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
-  """Writes val_ppl.png, state_bytes.png and (with a SkewAdam row) frontier.png."""
+def horizon_table(shorter: Sequence[dict], longer: Sequence[dict]) -> str:
+  """The rows both comparisons share: perplexity and rank at each horizon, and the ratio.
+
+  The ratio ``longer / shorter`` of a row's mean perplexities says how much
+  it gained from the extra tokens; ranks are among the shared rows.
+  """
+  short = {row_key(r): r for r in shorter}
+  shared = [(short[row_key(r)], r) for r in longer if row_key(r) in short]
+  if not shared:
+    return "No row is in both comparisons."
+  def ranks(rows):
+    order = sorted(rows, key=lambda r: r["val_ppl_mean"])
+    return {row_key(r): order.index(r) + 1 for r in rows}
+  rank_short, rank_long = ranks([s for s, _ in shared]), ranks([l for _, l in shared])
+  tokens = [_tokens(s) for s, _ in shared[:1]] + [_tokens(l) for _, l in shared[:1]]
+  lines = [f"| optimizer | config | val ppl, {tokens[0]} tokens (rank) "
+           f"| val ppl, {tokens[1]} tokens (rank) | longer ÷ shorter |", "|---|---|---|---|---|"]
+  for s, l in shared:
+    lines.append(f"| {l['optimizer']} | {_config_cell(l)} "
+                 f"| {s['val_ppl_mean']:.2f} ± {s['val_ppl_std']:.2f} ({rank_short[row_key(s)]}) "
+                 f"| {l['val_ppl_mean']:.2f} ± {l['val_ppl_std']:.2f} ({rank_long[row_key(l)]}) "
+                 f"| {l['val_ppl_mean'] / s['val_ppl_mean']:.3f} |")
+  return "\n".join(lines)
+
+
+def _tokens(row: dict) -> str:
+  last = row["curve_seed0"][-1][0] if row.get("curve_seed0") else None
+  return f"{last / 1e6:.2f}M" if last else "?"
+
+
+def plot_horizons(shorter: Sequence[dict], longer: Sequence[dict],
+                  path: pathlib.Path) -> pathlib.Path:
+  """Validation perplexity against tokens (seed 0) for both horizons: the shorter dashed."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  short = {row_key(r): r for r in shorter}
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for r in longer:
+    tokens, ppl = zip(*r["curve_seed0"]) if r["curve_seed0"] else ((), ())
+    line, = ax.plot(tokens, ppl, label=plot_name(r))
+    if row_key(r) in short and short[row_key(r)]["curve_seed0"]:
+      tokens, ppl = zip(*short[row_key(r)]["curve_seed0"])
+      ax.plot(tokens, ppl, "--", color=line.get_color())
+  ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
+         title="Validation perplexity (seed 0): longer horizon solid, shorter dashed")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot(rows: Sequence[dict], out_dir: pathlib.Path, prefix: str = "") -> list[pathlib.Path]:
+  """Writes val_ppl.png, state_bytes.png and (with a SkewAdam row) frontier.png,
+  their names prefixed by ``prefix``."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -290,17 +349,17 @@ def plot(rows: Sequence[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
          title="Validation perplexity (seed 0)")
   ax.legend(fontsize=7)
   fig.tight_layout()
-  paths = [out_dir / "val_ppl.png"]
+  paths = [out_dir / f"{prefix}val_ppl.png"]
   fig.savefig(paths[-1], dpi=120)
   fig, ax = plt.subplots(figsize=(11, 5))
   ax.barh(names, [r["opt_state_bytes_6p78b"] / 1e9 for r in rows])
   ax.set(xlabel="optimizer state at moe-6.78b (GB)", xscale="log",
          title="Optimizer state for the 6.78B MoE")
   fig.tight_layout()
-  paths.append(out_dir / "state_bytes.png")
+  paths.append(out_dir / f"{prefix}state_bytes.png")
   fig.savefig(paths[-1], dpi=120)
   if any(r["optimizer"] == "skewadam" for r in rows):
-    paths.append(_plot_frontier(plt, rows, names, out_dir / "frontier.png"))
+    paths.append(_plot_frontier(plt, rows, names, out_dir / f"{prefix}frontier.png"))
   plt.close("all")
   return paths
 
@@ -366,6 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--data", default=None)
   parser.add_argument("--out", default="runs/compare", help="compare.json, compare.md, plots")
+  parser.add_argument("--name", default="compare", metavar="STEM",
+                      help="write OUT/STEM.json and OUT/STEM.md, and prefix the plots with STEM- "
+                      "(default: compare.json, compare.md, unprefixed plots)")
+  parser.add_argument("--shorter", default=None, metavar="COMPARE_JSON",
+                      help="a saved comparison at a shorter horizon: add both horizons' "
+                      "perplexities and ranks to the table, and draw (STEM-)horizons.png")
   parser.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs)")
   parser.add_argument("--render", default=None, metavar="COMPARE_JSON",
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
@@ -383,13 +448,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="add this saved comparison's rows that were not (re)run "
                       "(with --render: merge the two into OUT/compare.json)")
   args = parser.parse_args(argv)
+  write = functools.partial(
+      _write, name=args.name,
+      shorter=json.loads(pathlib.Path(args.shorter).read_text()) if args.shorter else None)
   kept = (json.loads(pathlib.Path(args.keep_rows_from).read_text())
           if args.keep_rows_from else None)
   if args.render:
     rows = json.loads(pathlib.Path(args.render).read_text())
     if kept is not None:
       rows = merge_rows(kept, rows)
-    return _write(rows, pathlib.Path(args.out), write_json=kept is not None)
+    return write(rows, pathlib.Path(args.out), write_json=kept is not None)
   budget = dict(QUICK if args.quick else FULL)
   if args.steps:
     budget["steps"] = args.steps
@@ -415,16 +483,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
-  return _write(rows if kept is None else merge_rows(kept, rows), out)
+  return write(rows if kept is None else merge_rows(kept, rows), out)
 
 
-def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True) -> int:
+def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
+           name: str = "compare", shorter: Sequence[dict] | None = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
+  prefix = "" if name == "compare" else f"{name}-"
   if write_json:
-    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
   table = markdown_table(rows) + "\n\n" + choice_text(rows)
-  (out / "compare.md").write_text(table + "\n")
-  plot(rows, out)
+  if shorter is not None:
+    table += "\n\nAgainst the shorter horizon:\n\n" + horizon_table(shorter, rows)
+    plot_horizons(shorter, rows, out / f"{prefix}horizons.png")
+  (out / f"{name}.md").write_text(table + "\n")
+  plot(rows, out, prefix)
   print(table)
   return 0
 

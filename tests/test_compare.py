@@ -191,3 +191,35 @@ def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
   assert sweeps.finished_summary(tmp_path, config)["val_ppl"] == 10.0
   assert sweeps.finished_summary(tmp_path, compare.dataclasses.replace(
       config, schedule="wsd")) is None
+
+
+def test_longer_horizon_is_set_beside_the_shorter_one(tmp_path):
+  def row(optimizer, ppl, tokens, **config):
+    return dict(_row(optimizer, ppl, 0.5, 54e9 if optimizer != "skewadam" else 1.2e9, **config),
+                lr=1e-3, opt_state_bytes_small=1e6, step_time_ratio_to_adamw=1.0, median_step_s=0.1,
+                curve_seed0=[(tokens // 2, ppl * 2), (tokens, ppl)])
+  shorter = [row("adamw", 120.0, 800_000), row("muon", 80.0, 800_000),
+             row("skewadam", 78.0, 800_000, expert_dir="orthogonal")]
+  longer = [row("adamw", 70.0, 3_200_000), row("muon", 58.0, 3_200_000),
+            row("skewadam", 59.5, 3_200_000, expert_dir="orthogonal"),
+            row("lion", 90.0, 3_200_000)]  # not in the shorter one: left out of the table
+  table = compare.horizon_table(shorter, longer)
+  lines = table.splitlines()
+  assert "0.80M tokens" in lines[0] and "3.20M tokens" in lines[0] and len(lines) == 2 + 3
+  # SkewAdam leads at the shorter horizon and is second at the longer one.
+  assert "78.00 ± 0.50 (1) | 59.50 ± 0.50 (2) | 0.763 |" in lines[4]
+  assert "80.00 ± 0.50 (2) | 58.00 ± 0.50 (1) | 0.725 |" in lines[3]
+  assert compare.horizon_table(shorter, [row("lion", 90.0, 1)]) == "No row is in both comparisons."
+  (tmp_path / "short.json").write_text(json.dumps(shorter))
+  (tmp_path / "long.json").write_text(json.dumps(longer))
+  assert compare.main(["--render", str(tmp_path / "long.json"), "--keep-rows-from",
+                       str(tmp_path / "long.json"), "--out", str(tmp_path / "out"),
+                       "--name", "compare-long", "--shorter", str(tmp_path / "short.json")]) == 0
+  out = tmp_path / "out"
+  assert [(r["optimizer"], r["val_ppl_mean"]) for r in
+          json.loads((out / "compare-long.json").read_text())] == [
+              (r["optimizer"], r["val_ppl_mean"]) for r in longer]
+  assert table in (out / "compare-long.md").read_text()
+  for name in ("horizons", "val_ppl", "state_bytes", "frontier"):
+    assert (out / f"compare-long-{name}.png").stat().st_size > 1000
+  assert not (out / "compare.json").exists() and not (out / "val_ppl.png").exists()
