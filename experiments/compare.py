@@ -281,6 +281,19 @@ def choice_text(rows: Sequence[dict]) -> str:
              "AdamW, so the smallest state that does."))
 
 
+def _pyplot():
+  """matplotlib's pyplot on the file-only backend (no display here)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def _curve(row: dict) -> tuple[tuple, tuple]:
+  """A row's seed-0 validation curve as (tokens, perplexities)."""
+  return tuple(zip(*row["curve_seed0"])) if row.get("curve_seed0") else ((), ())
+
+
 def horizon_table(shorter: Sequence[dict], longer: Sequence[dict]) -> str:
   """The rows both comparisons share: perplexity and rank at each horizon, and the ratio.
 
@@ -295,9 +308,9 @@ def horizon_table(shorter: Sequence[dict], longer: Sequence[dict]) -> str:
     order = sorted(rows, key=lambda r: r["val_ppl_mean"])
     return {row_key(r): order.index(r) + 1 for r in rows}
   rank_short, rank_long = ranks([s for s, _ in shared]), ranks([l for _, l in shared])
-  tokens = [_tokens(s) for s, _ in shared[:1]] + [_tokens(l) for _, l in shared[:1]]
-  lines = [f"| optimizer | config | val ppl, {tokens[0]} tokens (rank) "
-           f"| val ppl, {tokens[1]} tokens (rank) | longer ÷ shorter |", "|---|---|---|---|---|"]
+  lines = [f"| optimizer | config | val ppl, {_tokens(shared[0][0])} tokens (rank) "
+           f"| val ppl, {_tokens(shared[0][1])} tokens (rank) | longer ÷ shorter |",
+           "|---|---|---|---|---|"]
   for s, l in shared:
     lines.append(f"| {l['optimizer']} | {_config_cell(l)} "
                  f"| {s['val_ppl_mean']:.2f} ± {s['val_ppl_std']:.2f} ({rank_short[row_key(s)]}) "
@@ -307,24 +320,20 @@ def horizon_table(shorter: Sequence[dict], longer: Sequence[dict]) -> str:
 
 
 def _tokens(row: dict) -> str:
-  last = row["curve_seed0"][-1][0] if row.get("curve_seed0") else None
-  return f"{last / 1e6:.2f}M" if last else "?"
+  tokens, _ = _curve(row)
+  return f"{tokens[-1] / 1e6:.2f}M" if tokens else "?"
 
 
 def plot_horizons(shorter: Sequence[dict], longer: Sequence[dict],
                   path: pathlib.Path) -> pathlib.Path:
   """Validation perplexity against tokens (seed 0) for both horizons: the shorter dashed."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = _pyplot()
   short = {row_key(r): r for r in shorter}
   fig, ax = plt.subplots(figsize=(8, 5))
   for r in longer:
-    tokens, ppl = zip(*r["curve_seed0"]) if r["curve_seed0"] else ((), ())
-    line, = ax.plot(tokens, ppl, label=plot_name(r))
-    if row_key(r) in short and short[row_key(r)]["curve_seed0"]:
-      tokens, ppl = zip(*short[row_key(r)]["curve_seed0"])
-      ax.plot(tokens, ppl, "--", color=line.get_color())
+    line, = ax.plot(*_curve(r), label=plot_name(r))
+    if row_key(r) in short:
+      ax.plot(*_curve(short[row_key(r)]), "--", color=line.get_color())
   ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
          title="Validation perplexity (seed 0): longer horizon solid, shorter dashed")
   ax.legend(fontsize=7)
@@ -337,14 +346,11 @@ def plot_horizons(shorter: Sequence[dict], longer: Sequence[dict],
 def plot(rows: Sequence[dict], out_dir: pathlib.Path, prefix: str = "") -> list[pathlib.Path]:
   """Writes val_ppl.png, state_bytes.png and (with a SkewAdam row) frontier.png,
   their names prefixed by ``prefix``."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = _pyplot()
   names = [plot_name(r) for r in rows]
   fig, ax = plt.subplots(figsize=(8, 5))
   for name, r in zip(names, rows):
-    tokens, ppl = zip(*r["curve_seed0"]) if r["curve_seed0"] else ((), ())
-    ax.plot(tokens, ppl, marker="o", markersize=3, label=name)
+    ax.plot(*_curve(r), marker="o", markersize=3, label=name)
   ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
          title="Validation perplexity (seed 0)")
   ax.legend(fontsize=7)
