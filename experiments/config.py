@@ -77,6 +77,8 @@ class TrainConfig:
   decay_fraction: float = setting(0.2, "with --schedule wsd or cooldown: the share of the "
                                   "steps spent in the final decay", structural=True)
   weight_decay: float = setting(0.1, "decoupled weight decay on matrices", structural=True)
+  b1: float = setting(0.9, "first-moment decay of AdamW, of every SkewAdam tier and of "
+                      "Muon's AdamW part (Muon's own momentum keeps 0.95)", structural=True)
   clip_norm: float = setting(1.0, "global gradient-norm clipping threshold",
                              structural=True)
   seed: int = setting(0, "seed of the parameters and the batch order", structural=True)
@@ -171,6 +173,8 @@ class TrainConfig:
     if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
       raise ValueError("--stochastic-rounding needs bfloat16 parameters "
                        "(--param-dtype bfloat16)")
+    if not 0.0 <= self.b1 < 1.0:
+      raise ValueError(f"--b1 must be in [0, 1), got {self.b1}")
     if self.skip_nonfinite < 0:
       raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
     if not 0 < self.val_fraction < 1:

@@ -3,13 +3,16 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from experiments import checkpoint
 from experiments import optimizers
 from experiments import train as train_lib
 from experiments import training
+from experiments.steps import abstract_axes, abstract_params
 
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
             warmup_steps=2, sample_tokens=0)
@@ -89,8 +92,27 @@ def test_resume_refuses_a_different_optimizer(tmp_path, corpus, cache_dir):
     (["--lr", "-1"], "--lr must be > 0, got -1.0"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--b1", "1"], "--b1 must be in [0, 1), got 1.0"),
 ])
 def test_bad_flags_fail_with_one_line(capsys, flags, message):
   assert train_lib.main(["--preset", "tiny", "--no-progress", "--out", "/tmp/unused"] + flags) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("optimizer, overrides", [
+    ("adamw", {}),
+    ("skewadam", {"backbone_momentum": "fp32", "expert_momentum": "fp32"}),
+])
+def test_b1_reaches_the_optimizer(optimizer, overrides):
+  # From zero momentum one step stores (1 - b1)·g in every fp32 momentum leaf.
+  config = train_lib.TrainConfig(optimizer=optimizer, b1=0.5, clip_norm=0.0, **overrides)
+  tx = training.make_train_tx(config, abstract_axes("tiny"), 1e-3)
+  params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), abstract_params("tiny"))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
+  _, state = tx.update(grads, tx.init(params), params)
+  mus = [m for m in jax.tree.leaves(optax.tree.get(state, "mu"))
+         if m.dtype == jnp.float32 and m.size > 1]
+  assert mus
+  for m in mus:
+    np.testing.assert_allclose(np.asarray(m), 0.125, rtol=1e-6)
