@@ -240,13 +240,24 @@ def with_defaults(saved: dict) -> dict:
   return {**defaults, **saved}
 
 
-def add_flags(parser) -> None:
+# The fields that choose SkewAdam's tiers (TrainConfig.skewadam_tiers).
+TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
+               "router_second_moment", "backbone_direction", "expert_direction")
+
+
+def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
   """Adds a ``--flag`` per :class:`TrainConfig` field, with its help, default and choices.
 
   Allowed values are shown, not enforced by argparse: :meth:`TrainConfig.validate`
   checks them with one-line messages.
+
+  Args:
+    parser: an ``argparse.ArgumentParser``.
+    fields: only these fields (e.g. :data:`TIER_FIELDS`); default all.
   """
   for field in dataclasses.fields(TrainConfig):
+    if fields is not None and field.name not in fields:
+      continue
     meta = field.metadata
     flag = "--" + field.name.replace("_", "-")
     extra = []
@@ -268,3 +279,8 @@ def add_flags(parser) -> None:
 def from_args(args) -> TrainConfig:
   """The :class:`TrainConfig` of parsed :func:`add_flags` arguments."""
   return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
+def tiers_from_args(args) -> dict:
+  """SkewAdam's tiers (:meth:`TrainConfig.skewadam_tiers`) from :data:`TIER_FIELDS` flags."""
+  return TrainConfig(**{name: getattr(args, name) for name in TIER_FIELDS}).skewadam_tiers()

@@ -75,15 +75,6 @@ def _human(nbytes: int) -> str:
   return f"{nbytes} B"
 
 
-def _parse_tiers(args) -> dict:
-  return config_lib.TrainConfig(
-      expert_momentum=args.expert_momentum, backbone_momentum=args.backbone_momentum,
-      backbone_second_moment=args.backbone_second_moment,
-      router_second_moment=args.router_second_moment,
-      backbone_direction=args.backbone_direction,
-      expert_direction=args.expert_direction).skewadam_tiers()
-
-
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
                                    description=__doc__.split("\n\n")[0],
@@ -99,12 +90,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--margin-gb", type=float, default=2.0)
   parser.add_argument("--param-dtype", default="bfloat16")
   parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
-  parser.add_argument("--expert-momentum", default=None, help="SkewAdam expert encoding")
-  parser.add_argument("--backbone-momentum", default=None, help="SkewAdam backbone encoding")
-  parser.add_argument("--backbone-second-moment", default=None, help="exact | factored")
-  parser.add_argument("--router-second-moment", default=None, help="exact | factored")
-  parser.add_argument("--backbone-direction", default=None, help="adam | orthogonal")
-  parser.add_argument("--expert-direction", default=None, help="adam | orthogonal")
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS)
   parser.add_argument("--update-in-backward", action="store_true",
                       help="the step that updates each layer inside the backward pass")
   parser.add_argument("--clip-mode", default="exact", help="with --update-in-backward: "
@@ -144,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ValueError(f"unknown optimizer {args.optimizer!r}; "
                        f"choose from {', '.join(optimizers.OPTIMIZERS)}")
     report = plan(args.preset, args.optimizer, target=args.target, batch=args.batch,
-                  seq=args.seq, margin_gb=args.margin_gb, skewadam_tiers=_parse_tiers(args),
+                  seq=args.seq, margin_gb=args.margin_gb, skewadam_tiers=config_lib.tiers_from_args(args),
                   param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
                   update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
                   device_memory_gb=args.device_memory_gb, devices=args.devices,

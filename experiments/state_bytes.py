@@ -1,6 +1,8 @@
 """Optimizer-state bytes by tier for a model preset, or what an optimizer does with each parameter.
 
     python -m experiments.state_bytes --preset moe-6.78b
+    python -m experiments.state_bytes --optimizers skewadam --param-dtype bfloat16 \\
+        --expert-direction orthogonal --backbone-direction orthogonal
     python -m experiments.state_bytes --preset tiny --optimizer muon --per-leaf --json
 
 Nothing is allocated; the figures come from :mod:`experiments.accounting`.
@@ -13,7 +15,10 @@ import json
 import sys
 from typing import Sequence
 
+import jax.numpy as jnp
+
 import experiments
+from experiments import config as config_lib
 from experiments import optimizers
 from experiments.accounting import per_leaf, per_leaf_markdown, state_bytes
 
@@ -30,19 +35,27 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--optimizer", default="skewadam",
                       help="with --per-leaf: one of " + ", ".join(optimizers.OPTIMIZERS))
   parser.add_argument("--json", action="store_true", help="with --per-leaf: JSON")
+  parser.add_argument("--param-dtype", default="float32", choices=config_lib.PARAM_DTYPES,
+                      help="the parameters' dtype (the comparison's moe-6.78b figures: "
+                      "bfloat16)")
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS)
   args = parser.parse_args(argv)
+  tiers = config_lib.tiers_from_args(args)
   if args.per_leaf:
     if args.optimizer not in optimizers.OPTIMIZERS:
       print(f"error: unknown optimizer {args.optimizer!r}", file=sys.stderr)
       return 2
-    rows = per_leaf(args.preset, args.optimizer)
+    rows = per_leaf(args.preset, args.optimizer, skewadam_tiers=tiers,
+                    param_dtype=jnp.dtype(args.param_dtype))
     print(json.dumps({"preset": args.preset, "optimizer": args.optimizer, "leaves": rows},
                      indent=1) if args.json else per_leaf_markdown(rows))
     return 0
-  print(f"| optimizer ({args.preset}, fp32 params) | backbone | expert | router | total |")
+  print(f"| optimizer ({args.preset}, {args.param_dtype} params) | backbone | expert | router "
+        "| total |")
   print("|---|---|---|---|---|")
   for name in args.optimizers.split(","):
-    b = state_bytes(args.preset, name)
+    b = state_bytes(args.preset, name, param_dtype=jnp.dtype(args.param_dtype),
+                    skewadam_tiers=tiers if name == "skewadam" else None)
     gb = lambda k: f"{b[k] / 1e9:.3f} GB"
     print(f"| {name} | {gb('backbone')} | {gb('expert')} | {gb('router')} | **{gb('total')}** |")
   return 0

@@ -13,6 +13,7 @@ import pytest
 
 import models
 import skewadam_jax
+from experiments import config as config_lib
 from experiments import hlo
 from experiments import memory
 from experiments import planner
@@ -116,7 +117,7 @@ def test_tier_flags_become_skewadam_tier_configs():
   args = memory._parser().parse_args([  # pylint: disable=protected-access
       "--expert-momentum", "int8", "--backbone-momentum", "fp32",
       "--backbone-second-moment", "exact", "--expert-direction", "orthogonal"])
-  assert memory._parse_tiers(args) == {  # pylint: disable=protected-access
+  assert config_lib.tiers_from_args(args) == {
       "expert": {"momentum": "int8", "direction": "orthogonal"},
       "backbone": {"momentum": "fp32", "second_moment": "exact"}}
 

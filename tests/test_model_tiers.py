@@ -1,6 +1,7 @@
 """The model's parameter paths meet the optimizer's default labeller (the contract)."""
 
 import json
+import math
 import re
 
 import jax
@@ -11,6 +12,7 @@ import models
 import skewadam_jax
 from experiments import state_bytes
 from experiments import accounting
+from experiments import optimizers
 from experiments import steps
 from skewadam_jax import labels as labels_lib
 
@@ -103,6 +105,25 @@ def test_per_leaf_command_writes_json(capsys):
   keys = {"path", "shape", "axes", "tier", "momentum", "second_moment", "decayed",
           "orthogonalized", "state_bytes"}
   assert report["leaves"] and all(set(r) == keys for r in report["leaves"])
+
+
+def test_per_leaf_command_takes_the_tier_flags(capsys):
+  flags = ["--expert-momentum", "fp32", "--expert-direction", "orthogonal",
+           "--param-dtype", "bfloat16"]
+  assert state_bytes.main(["--preset", "tiny", "--per-leaf", "--optimizer", "skewadam",
+                           "--json"] + flags) == 0
+  leaves = json.loads(capsys.readouterr().out)["leaves"]
+  experts = [r for r in leaves if r["tier"] == "expert"]
+  assert experts and all(r["momentum"] == "fp32" and r["orthogonalized"] for r in experts)
+  # Against a real state of the same configuration: fp32 momentum, no second moment.
+  tiers = {"expert": {"momentum": "fp32", "direction": "orthogonal"}}
+  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3, axes=steps.abstract_axes("tiny"),
+                                 skewadam_tiers=tiers)
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                        steps.abstract_params("tiny", jnp.bfloat16))
+  real = skewadam_jax.state_bytes_by_tier(tx.init(params))
+  assert sum(r["state_bytes"] for r in experts) == real["expert"]
+  assert real["expert"] == 4 * sum(math.prod(r["shape"]) for r in experts)
 
 
 # Paths by name, independently of the declared axes: what each must be.
