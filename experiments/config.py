@@ -253,7 +253,8 @@ def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
 
   Args:
     parser: an ``argparse.ArgumentParser``.
-    fields: only these fields (e.g. :data:`TIER_FIELDS`); default all.
+    fields: only these fields (e.g. :data:`TIER_FIELDS`, for a command that
+      does not train, so the help says nothing of ``--resume``); default all.
   """
   for field in dataclasses.fields(TrainConfig):
     if fields is not None and field.name not in fields:
@@ -265,7 +266,7 @@ def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
       extra.append("one of " + ", ".join(map(str, meta["choices"])))
     if meta["kind"] is not bool:
       extra.append(f"default {field.default}" if field.default is not None else "")
-    if meta["structural"]:
+    if meta["structural"] and fields is None:
       extra.append("fixed on --resume")
     help_text = meta["help"] + "".join(f"; {e}" for e in extra if e)
     if meta["kind"] is bool:

@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ValueError(f"unknown optimizer {args.optimizer!r}; "
                        f"choose from {', '.join(optimizers.OPTIMIZERS)}")
     report = plan(args.preset, args.optimizer, target=args.target, batch=args.batch,
-                  seq=args.seq, margin_gb=args.margin_gb, skewadam_tiers=config_lib.tiers_from_args(args),
+                  seq=args.seq, margin_gb=args.margin_gb,
+                  skewadam_tiers=config_lib.tiers_from_args(args),
                   param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
                   update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
                   device_memory_gb=args.device_memory_gb, devices=args.devices,

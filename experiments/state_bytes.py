@@ -41,12 +41,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   config_lib.add_flags(parser, config_lib.TIER_FIELDS)
   args = parser.parse_args(argv)
   tiers = config_lib.tiers_from_args(args)
+  param_dtype = jnp.dtype(args.param_dtype)
   if args.per_leaf:
     if args.optimizer not in optimizers.OPTIMIZERS:
       print(f"error: unknown optimizer {args.optimizer!r}", file=sys.stderr)
       return 2
-    rows = per_leaf(args.preset, args.optimizer, skewadam_tiers=tiers,
-                    param_dtype=jnp.dtype(args.param_dtype))
+    rows = per_leaf(args.preset, args.optimizer, skewadam_tiers=tiers, param_dtype=param_dtype)
     print(json.dumps({"preset": args.preset, "optimizer": args.optimizer, "leaves": rows},
                      indent=1) if args.json else per_leaf_markdown(rows))
     return 0
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| total |")
   print("|---|---|---|---|---|")
   for name in args.optimizers.split(","):
-    b = state_bytes(args.preset, name, param_dtype=jnp.dtype(args.param_dtype),
+    b = state_bytes(args.preset, name, param_dtype=param_dtype,
                     skewadam_tiers=tiers if name == "skewadam" else None)
     gb = lambda k: f"{b[k] / 1e9:.3f} GB"
     print(f"| {name} | {gb('backbone')} | {gb('expert')} | {gb('router')} | **{gb('total')}** |")

@@ -183,14 +183,13 @@ def make_train_tx(config: TrainConfig, axes, schedule) -> optax.GradientTransfor
   ``--update-in-backward``: the per-slice optimizer (built for
   :func:`update_in_backward.slice_axes`; the step clips and skips itself).
   """
+  settings = dict(learning_rate=schedule, weight_decay=config.weight_decay,
+                  skewadam_tiers=config.skewadam_tiers(), b1=config.b1)
   if config.update_in_backward:
-    return optimizers.make_optimizer(
-        config.optimizer, learning_rate=schedule, axes=update_in_backward.slice_axes(axes),
-        weight_decay=config.weight_decay, clip_norm=0, skewadam_tiers=config.skewadam_tiers(),
-        b1=config.b1)
-  tx = optimizers.make_optimizer(
-      config.optimizer, learning_rate=schedule, axes=axes, weight_decay=config.weight_decay,
-      clip_norm=config.clip_norm, skewadam_tiers=config.skewadam_tiers(), b1=config.b1)
+    return optimizers.make_optimizer(config.optimizer, axes=update_in_backward.slice_axes(axes),
+                                     clip_norm=0, **settings)
+  tx = optimizers.make_optimizer(config.optimizer, axes=axes, clip_norm=config.clip_norm,
+                                 **settings)
   if config.skip_nonfinite:
     # Outermost, so a skipped step leaves every inner state untouched
     # (moments, step count, schedule): as if the batch had not been drawn.
