@@ -9,14 +9,17 @@ command; the commands (``python -m experiments.NAME`` for ``train``,
 ``state_bytes``) are short ``main()`` s over them. Nothing here changes the
 environment on import, except on a machine with JAX's CUDA plugin or libtpu
 and no GPU or TPU: there JAX starts on the CPU without the plugins' start-up
-noise (:mod:`skewadam_jax.startup`).
+noise (:mod:`experiments.startup`). The optimizer library itself
+(``skewadam_jax``) does nothing on import.
 """
 
 import os
 
 # Quiet JAX start on a machine with the CUDA plugin and no GPU (before any
 # experiments module imports JAX); a no-op anywhere else.
-from skewadam_jax import startup
+from experiments import startup
+
+startup.quiet_jax_start()
 
 
 def use_cpu_without_gpu() -> None:
@@ -27,7 +30,7 @@ def use_cpu_without_gpu() -> None:
   without a GPU (or TPU), JAX would otherwise try to start them and print
   long errors before falling back to the CPU. An explicit ``JAX_PLATFORMS``
   always wins, and machines with a GPU or a TPU attached are left alone
-  (:func:`skewadam_jax.startup.accelerator_plugin_without_device`). Importing
+  (:func:`experiments.startup.accelerator_plugin_without_device`). Importing
   this package already does it, quietly, when JAX is not imported yet; every
   command also calls it first thing in ``main``.
   """

@@ -209,7 +209,7 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
                      mask=mask, mu_dtype=jnp.float32)
   elif name == "skewadam":
     tx = skewadam_jax.skewadam(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
-                               weight_decay_mask=mask, **skewadam_axes(axes),
+                               mask=mask, **skewadam_axes(axes),
                                **(skewadam_tiers or {}))
   elif name == "muon":
     # optax's muon() decays every leaf of its AdamW part (norm scales

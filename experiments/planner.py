@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 import models
 import skewadam_jax
-from skewadam_jax import startup
+from experiments import startup
 import experiments
 from experiments import hlo
 from experiments import mesh as mesh_lib

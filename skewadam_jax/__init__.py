@@ -17,16 +17,10 @@ The public API:
   unbiased stochastic rounding of updates to bfloat16 parameters.
 * :func:`state_shardings` — optimizer-state shardings from parameter shardings.
 
-Importing the package on a machine with JAX's CUDA plugin but no GPU starts
-JAX on the CPU without the plugin's start-up noise (:mod:`skewadam_jax.startup`;
-a no-op anywhere else).
+Importing the package changes nothing outside it: no environment variable, no
+JAX option, no redirected stream (as optax).
 """
 
-# Before anything imports JAX: see skewadam_jax.startup.
-from skewadam_jax import startup
-startup.quiet_jax_start()
-
-# pylint: disable=wrong-import-position
 from skewadam_jax.accounting import abstract_state_bytes_by_tier
 from skewadam_jax.accounting import state_bytes_by_tier
 from skewadam_jax.accounting import state_bytes_per_param

@@ -101,7 +101,8 @@ def rank_one_squeezed(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.A
 
 def ema(old: jax.Array, mean: jax.Array, decay) -> jax.Array:
   """``decay·old + (1 − decay)·mean``, stored in ``old``'s dtype."""
-  return (decay * old.astype(jnp.float32) + (1 - decay) * mean).astype(old.dtype)
+  compute = jnp.promote_types(jnp.float32, old.dtype)  # float64 statistics stay float64
+  return (decay * old.astype(compute) + (1 - decay) * mean).astype(old.dtype)
 
 
 def _sum_groups(xs: Sequence[jax.Array], axis: int) -> tuple[jax.Array, ...]:

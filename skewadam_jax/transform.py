@@ -112,9 +112,13 @@ class TierConfig:
     # Checked for every encoding, so a bad value fails where it is written
     # rather than later, when someone switches the tier to "int8".
     if (isinstance(self.int8_block_size, bool)
-        or not isinstance(self.int8_block_size, int) or self.int8_block_size <= 0):
+        or not isinstance(self.int8_block_size, numbers.Integral)
+        or self.int8_block_size <= 0):
       raise ValueError(f"int8_block_size must be a positive int, got "
                        f"{self.int8_block_size!r}.")
+    # A NumPy integer (np.int64 from a config file) is stored as a Python int,
+    # so equal configs compare and hash equal.
+    object.__setattr__(self, "int8_block_size", int(self.int8_block_size))
     encodings.get_encoding(self.momentum, block_size=self.int8_block_size)
     if self.direction not in DIRECTIONS:
       raise ValueError(f"Unknown direction {self.direction!r}; expected one of {DIRECTIONS}.")
@@ -134,6 +138,10 @@ class TierConfig:
           "(smallest normal 6e-5) for ordinary gradients, and the factored "
           "updates become orders of magnitude too large. Use float32, or a "
           "factored second moment to save memory.")
+    if dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+      raise ValueError(
+          f"nu_dtype {dtype.name} needs 64-bit JAX (jax.config.update("
+          "'jax_enable_x64', True)); without it JAX stores and computes float32.")
 
 
 # The defaults were chosen by experiments/compare.py's ablation (choose_default):
@@ -199,6 +207,11 @@ def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConf
   if isinstance(value, TierConfig):
     return value
   if isinstance(value, dict):
+    known = {f.name for f in dataclasses.fields(TierConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+      raise ValueError(f"{name} has unknown TierConfig fields {unknown}; expected some of "
+                       f"{sorted(known)}.")
     return dataclasses.replace(default, **value)
   raise ValueError(f"{name} must be a TierConfig or a dict of its fields, got {value!r}.")
 
@@ -212,8 +225,8 @@ def _check_hyperparameters(b1, b2, eps, eps_root, factored_eps) -> None:
   """Checks the hyperparameters that are concrete numbers (not injected)."""
   _check_unit_interval("b1", b1)
   _check_unit_interval("b2", b2)
-  if isinstance(eps, numbers.Real) and not eps > 0:
-    raise ValueError(f"eps must be > 0, got {eps}.")
+  if isinstance(eps, numbers.Real) and not eps >= 0:
+    raise ValueError(f"eps must be >= 0, got {eps}.")
   if isinstance(eps_root, numbers.Real) and not eps_root >= 0:
     raise ValueError(f"eps_root must be >= 0, got {eps_root}.")
   if isinstance(factored_eps, numbers.Real) and not factored_eps >= 0:
@@ -342,8 +355,12 @@ def _groupable(plan: LeafPlan, leaf) -> bool:
 
 
 def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
-               factored_eps, count):
-  """One leaf's Adam step in float32 (complex64); returns (update, new parts)."""
+               factored_eps, count, nesterov=False):
+  """One leaf's Adam step in float32 (complex64); returns (update, new parts).
+
+  A float64 ``nu_dtype`` (under ``jax_enable_x64``) computes the second moment
+  and the division in float64.
+  """
   if plan.orthogonal:
     return _orthogonal_step(plan, g, parts, b1=b1)
   g32 = g.astype(jnp.complex64 if jnp.iscomplexobj(g) else jnp.float32)
@@ -368,19 +385,26 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
     col = factored.ema(old_col, nu_means[1], b2)
     new["nu_row"] = jnp.expand_dims(row, plan.axes.cols)
     new["nu_col"] = jnp.expand_dims(col, plan.axes.rows)
-    v = factored.rank_one_squeezed(row.astype(jnp.float32), col.astype(jnp.float32),
-                                   plan.axes)
+    wide = jnp.promote_types(jnp.float32, plan.nu_dtype)
+    v = factored.rank_one_squeezed(row.astype(wide), col.astype(wide), plan.axes)
   else:
+    wide = jnp.promote_types(jnp.float32, plan.nu_dtype)
+    g_wide = g32.astype(jnp.promote_types(g32.dtype, wide))
     # ((1 − b2)·g)·g for real g: the order of the first release, so runs repeat.
-    weighted = (1 - b2) * g_sq if jnp.iscomplexobj(g32) else (1 - b2) * g32 * g32
-    v = weighted + b2 * parts["nu"].astype(jnp.float32)
+    weighted = ((1 - b2) * _square(g_wide) if jnp.iscomplexobj(g32)
+                else (1 - b2) * g_wide * g_wide)
+    v = weighted + b2 * parts["nu"].astype(wide)
     new["nu"] = v.astype(plan.nu_dtype)
   v_hat = v / (1 - b2**count)
   if encoding is None:
     m_hat = g32
   else:
     new.update(sign_parts if sign else encoding.encode(m, plan.axes))
-    m_hat = m / (1 - b1**count)
+    if nesterov:
+      # optax.scale_by_adam(nesterov=True): each term with its own bias correction.
+      m_hat = b1 * m / (1 - b1**(count + 1)) + (1 - b1) * g32 / (1 - b1**count)
+    else:
+      m_hat = m / (1 - b1**count)
   update = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
   return update.astype(g.dtype), new
 
@@ -388,8 +412,12 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
 def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1):
   """An orthogonalised matrix's step: its momentum stored, Muon's direction returned.
 
-  The Newton–Schulz iteration normalises its input, so the momentum's bias
-  correction would not change the direction and is left out. A leaf stacked
+  The Nesterov mix ``b1·m_t + (1 − b1)·g_t`` is not bias-corrected. The
+  Newton–Schulz iteration normalises its input, so a common factor would not
+  matter, but ``optax.contrib.muon`` corrects the two terms by different
+  factors (``1 − b1^(t+1)`` and ``1 − b1^t``): the directions differ in the
+  first steps (about 9 % at step 2 with b1 = 0.9) and agree once ``b1^t`` is
+  negligible. A leaf stacked
   over two or more batch axes (layers × experts) is stepped one slice of its
   first batch axis at a time, so that the iteration's float32 temporaries are
   one layer's bank, not the whole stack's (26 GB a copy at ``moe-6.78b``);
@@ -500,6 +528,7 @@ def scale_by_skewadam(
     router: TierLike = None,
     factored_eps: float = 1e-30,
     orthogonal_mask: Any = None,
+    nesterov: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates with Adam's rule, storing moments per tier.
 
@@ -527,7 +556,9 @@ def scale_by_skewadam(
   Args:
     b1: EMA decay of the momentum, in [0, 1).
     b2: EMA decay of the second moment, in [0, 1).
-    eps: added to √v̂ in the denominator, > 0.
+    eps: added to √v̂ in the denominator, >= 0 (0 as in ``optax.adam``: an
+      entry whose gradients are all zero then gets 0/0 = NaN, unless
+      ``eps_root > 0``).
     eps_root: added to v̂ inside the square root, >= 0.
     param_labels: tier of each leaf: ``None`` for
       :func:`~skewadam_jax.moe_param_labels` with its defaults (warning at
@@ -555,7 +586,12 @@ def scale_by_skewadam(
       ``direction="orthogonal"`` take that direction: ``None`` for all, or a
       pytree of bools matched by path like ``param_labels`` (or a callable
       returning one; static under ``inject_hyperparams``). Muon leaves
-      embeddings and the unembedding to Adam; so can this.
+      embeddings and the unembedding to Adam; so can this. Refused when no
+      tier is orthogonal (it would be ignored).
+    nesterov: Nesterov's momentum in Adam's direction, as
+      ``optax.scale_by_adam(nesterov=True)``:
+      ``m̂_t = b1·m_t / (1 − b1^(t+1)) + (1 − b1)·g_t / (1 − b1^t)``. (The
+      orthogonal direction always uses its Nesterov mix.)
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -586,6 +622,10 @@ def scale_by_skewadam(
                         ("router", DEFAULT_ROUTER)):
     tiers[name] = _as_tier_config(name, tiers[name], default)
     _check_nu_dtype(name, tiers[name], b2)
+  if orthogonal_mask is not None and not any(
+      t.direction == "orthogonal" for t in tiers.values()):
+    raise ValueError("orthogonal_mask is given but no tier has direction='orthogonal', so "
+                     "it would be ignored; set a tier's direction or drop the mask.")
 
   def plans_for(tree, warn=False):
     return leaf_plans(tree, param_labels=param_labels, matrix_axes=matrix_axes,
@@ -601,6 +641,11 @@ def scale_by_skewadam(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    if not isinstance(state, ScaleBySkewAdamState):
+      raise ValueError(
+          f"SkewAdam's update got a {type(state).__name__} state, not the "
+          "ScaleBySkewAdamState its init makes: a state from another optimizer "
+          "(e.g. optax.adamw) cannot be continued by SkewAdam; init a new one.")
     # Injected hyperparameters may arrive in the params' dtype; b1**t and
     # b2**t are computed in fp32. (A b2 that already rounded to 1, as 0.999
     # does in bf16, cannot be recovered: inject with hyperparam_dtype=float32.)
@@ -613,8 +658,8 @@ def scale_by_skewadam(
         raise ValueError(
             f"The updates' tree ({treedef.num_leaves} leaves) differs from the "
             f"one SkewAdam's state was made for ({jax.tree.structure(field).num_leaves} "
-            f"leaves in its {name!r} field): the tree must not change between "
-            "init and update.")
+            f"leaves in its {name!r} field): {_tree_difference(paths, field)}. "
+            "The tree must not change between init and update.")
       field_leaves[name] = treedef.flatten_up_to(field)
     plans = plans_for(updates)
     count = optax.safe_increment(state.count)
@@ -623,7 +668,7 @@ def scale_by_skewadam(
       parts = {name: field_leaves[name][i] for name in FIELDS}
       _check_parts(path, plan, g, parts)
       u, new = _step_leaf(plan, g, parts, b1=b1_, b2=b2_, eps=eps, eps_root=eps_root,
-                          factored_eps=factored_eps, count=count)
+                          factored_eps=factored_eps, count=count, nesterov=nesterov)
       out.append(u)
       for name in FIELDS:
         new_fields[name].append(new.get(name, parts[name]))
@@ -631,6 +676,17 @@ def scale_by_skewadam(
         count=count, **{name: treedef.unflatten(v) for name, v in new_fields.items()})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _tree_difference(paths: list[str], field) -> str:
+  """Which paths are only in the updates and which only in the state, for errors."""
+  state_paths, _, _ = labels_lib.flatten_with_paths(field)
+  only_updates = [p for p in paths if p not in set(state_paths)]
+  only_state = [p for p in state_paths if p not in set(paths)]
+  if not only_updates and not only_state:
+    return "the same paths in containers of other types or order"
+  return (f"paths only in the updates {only_updates[:3]}, only in the state "
+          f"{only_state[:3]}")
 
 
 def matrices_only(params, matrix_axes: axes_lib.AxesSpec = None):
@@ -647,37 +703,83 @@ def matrices_only(params, matrix_axes: axes_lib.AxesSpec = None):
 
 
 class _DecayState(NamedTuple):
-  """State of the declared-matrix weight decay (none)."""
+  """State of the declared-matrix weight decay with a constant rate (none)."""
+
+
+class DecayScheduleState(NamedTuple):
+  """State of the declared-matrix weight decay with a scheduled rate.
+
+  Attributes:
+    count: the number of updates so far, the schedule's argument.
+  """
+  count: jax.Array  # shape=(), dtype=jnp.int32.
 
 
 def add_decayed_weights_to_matrices(
-    weight_decay: Union[float, jax.Array] = 0.0,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
     matrix_axes: axes_lib.AxesSpec = None,
 ) -> optax.GradientTransformation:
-  """``u + weight_decay·p`` on the leaves declared matrices, ``u`` elsewhere.
+  """``u + λ_t·p`` on the leaves declared matrices, ``u`` elsewhere.
 
   ``optax.add_decayed_weights(weight_decay, mask)`` with the mask
   :func:`matrices_only` computed from the tree at each update. Unlike a
   callable mask it holds no callable argument, so
   ``optax.inject_hyperparams`` does not mistake it for a schedule.
 
+  Args:
+    weight_decay: ``λ``, a number or a schedule of the update count (as
+      ``optax.add_decayed_weights``; then the state counts updates).
+    matrix_axes: the declared matrix axes (:mod:`skewadam_jax.axes`).
+
   Raises:
     ValueError: if ``update`` is called without ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> decay = add_decayed_weights_to_matrices(optax.linear_schedule(0.1, 0.0, 10))
+    >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    >>> updates, state = decay.update(params, decay.init(params), params)
+    >>> updates["w"][0, 0].item(), updates["b"][0].item()  # 1 + 0.1·1, no decay
+    (1.100000023841858, 1.0)
   """
+  scheduled = callable(weight_decay)
+
   def init_fn(params):
     del params
-    return _DecayState()
+    return DecayScheduleState(jnp.zeros([], jnp.int32)) if scheduled else _DecayState()
 
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("Weight decay needs the params: call update(updates, state, params).")
+    if scheduled:
+      rate = weight_decay(state.count)
+      state = DecayScheduleState(optax.safe_increment(state.count))
+    else:
+      rate = weight_decay
     mask = matrices_only(updates, matrix_axes)
     decayed = jax.tree.map(
-        lambda u, p, m: (u + weight_decay * p).astype(u.dtype) if m else u,
+        lambda u, p, m: (u + rate * p).astype(u.dtype) if m else u,
         updates, params, mask)
     return decayed, state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+_UNSET = object()
+_MU_DTYPE_ENCODINGS = {jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.bfloat16): "bf16"}
+
+
+def _with_mu_dtype(name: str, tier: TierLike, mu_dtype) -> TierLike:
+  """``tier`` with its momentum stored densely in ``mu_dtype`` (``optax.adamw``'s argument)."""
+  if mu_dtype is None:
+    return tier
+  encoding = _MU_DTYPE_ENCODINGS.get(jnp.dtype(mu_dtype))
+  if encoding is None:
+    raise ValueError(f"mu_dtype must be None, float32 or bfloat16, got {mu_dtype!r}.")
+  if isinstance(tier, TierConfig) or (isinstance(tier, dict) and "momentum" in tier):
+    raise ValueError(f"mu_dtype and an explicit {name} tier both set its momentum; "
+                     f"set momentum={encoding!r} in the {name} config instead.")
+  return {**(tier or {}), "momentum": encoding}
 
 
 def skewadam(
@@ -686,9 +788,12 @@ def skewadam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    weight_decay: float = 1e-4,
+    mu_dtype: Any = None,
+    weight_decay: optax.ScalarOrSchedule = 1e-4,
+    mask: Any = MATRICES,
     *,
-    weight_decay_mask: Any = MATRICES,
+    nesterov: bool = False,
+    weight_decay_mask: Any = _UNSET,
     param_labels: labels_lib.LabelSpec = None,
     matrix_axes: axes_lib.AxesSpec = None,
     backbone: TierLike = None,
@@ -702,22 +807,31 @@ def skewadam(
   ``optax.chain(scale_by_skewadam(...), <weight decay>,
   scale_by_learning_rate(learning_rate))``, so the parameter update is::
 
-      Δθ_t = −lr_t · (u_t + λ·θ_{t−1})
+      Δθ_t = −lr_t · (u_t + λ_t·θ_{t−1})
 
-  with ``u_t`` from :func:`scale_by_skewadam` and ``λ = weight_decay`` applied
-  where the mask is True.
+  with ``u_t`` from :func:`scale_by_skewadam` and ``λ_t = weight_decay`` applied
+  where the mask is True. The positional arguments are ``optax.adamw``'s, in
+  its order, so a call written for ``optax.adamw`` runs unchanged.
 
   Args:
     learning_rate: a float or an optax schedule.
     b1, b2, eps, eps_root: as in :func:`scale_by_skewadam`.
-    weight_decay: decoupled weight decay coefficient λ.
-    weight_decay_mask: ``"matrices"`` (default): decay exactly the leaves
-      ``matrix_axes`` declares matrices (:func:`add_decayed_weights_to_matrices`;
-      no decay on vectors, stacked norm scales included when declared).
-      Otherwise a pytree of bools or a callable returning one, passed to
+    mu_dtype: ``None`` (default): each tier stores its momentum in its own
+      encoding. ``float32`` or ``bfloat16``: every tier not given explicitly
+      stores it densely in that dtype (``optax.adamw``'s meaning); set a
+      given tier's ``momentum`` in its config instead.
+    weight_decay: decoupled weight decay ``λ``, a number or a schedule of the
+      update count (as ``optax.adamw``).
+    mask: which leaves are decayed. ``"matrices"`` (default): exactly the
+      leaves ``matrix_axes`` declares matrices
+      (:func:`add_decayed_weights_to_matrices`; no decay on vectors, stacked
+      norm scales included when declared). Otherwise as ``optax.adamw``'s
+      ``mask``: a pytree of bools or a callable returning one, passed to
       ``optax.add_decayed_weights``; ``None`` decays all leaves. A callable
       must be named in ``static_args`` under ``optax.inject_hyperparams``;
       the default needs nothing.
+    nesterov: Nesterov's momentum, as ``optax.adamw(nesterov=True)``.
+    weight_decay_mask: the former name of ``mask`` (either, not both).
     param_labels, matrix_axes, backbone, expert, router, factored_eps,
       orthogonal_mask: as in :func:`scale_by_skewadam`.
 
@@ -755,18 +869,25 @@ def skewadam(
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
   if isinstance(learning_rate, numbers.Real) and not learning_rate >= 0:
     raise ValueError(f"learning_rate must be >= 0, got {learning_rate}.")
-  if isinstance(weight_decay_mask, str) and weight_decay_mask == MATRICES:
+  if weight_decay_mask is not _UNSET:
+    if not (isinstance(mask, str) and mask == MATRICES):
+      raise ValueError("Give the weight-decay mask as mask= or as weight_decay_mask=, not both.")
+    mask = weight_decay_mask
+  if isinstance(mask, str) and mask == MATRICES:
     decay = add_decayed_weights_to_matrices(weight_decay, matrix_axes)
-  elif isinstance(weight_decay_mask, str):
-    raise ValueError(f"weight_decay_mask must be {MATRICES!r}, a pytree of bools, "
-                     f"a callable or None, got {weight_decay_mask!r}.")
+  elif isinstance(mask, str):
+    raise ValueError(f"mask must be {MATRICES!r}, a pytree of bools, "
+                     f"a callable or None, got {mask!r}.")
   else:
-    decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+    decay = optax.add_decayed_weights(weight_decay, mask)
+  backbone, expert, router = (
+      _with_mu_dtype(name, tier, mu_dtype)
+      for name, tier in (("backbone", backbone), ("expert", expert), ("router", router)))
   return optax.chain(
       scale_by_skewadam(
           b1=b1, b2=b2, eps=eps, eps_root=eps_root, param_labels=param_labels,
           matrix_axes=matrix_axes, backbone=backbone, expert=expert, router=router,
-          factored_eps=factored_eps, orthogonal_mask=orthogonal_mask),
+          factored_eps=factored_eps, orthogonal_mask=orthogonal_mask, nesterov=nesterov),
       decay,
       optax.scale_by_learning_rate(learning_rate),
   )

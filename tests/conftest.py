@@ -7,7 +7,8 @@ import os
 # the only runtime platform to compile for a GPU target).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# First, so JAX starts without the CUDA plugin's start-up lines (skewadam_jax.startup).
+# First, so JAX starts without the CUDA plugin's start-up lines (experiments.startup).
+import experiments  # pylint: disable=wrong-import-position,unused-import
 import skewadam_jax  # pylint: disable=wrong-import-position,unused-import
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp

@@ -2,6 +2,7 @@
 environment changes on import."""
 
 import ast
+import json
 import os
 import pathlib
 import subprocess
@@ -132,15 +133,31 @@ def _stderr_of(args):
                         capture_output=True, text=True).stderr
 
 
-def test_the_library_and_the_commands_start_jax_silently():
+def test_the_commands_start_jax_silently():
   # With the gpu-compile extra (JAX's CUDA plugin) on a machine without a GPU,
   # JAX alone prints absl/cudart_stub lines and a plugin traceback here.
-  assert _stderr_of(["-c", "import skewadam_jax, jax; jax.numpy.zeros(1)"]) == ""
+  assert _stderr_of(["-c", "import experiments, jax; jax.numpy.zeros(1)"]) == ""
   assert _stderr_of(["-m", "experiments.train", "--help"]) == ""
 
 
+def test_importing_the_library_changes_nothing_outside_it():
+  # A library must not choose the platform or touch the process's streams
+  # (optax does neither): importing it after JAX leaves JAX's options, the
+  # environment and file descriptor 2 as they were, and starts no backend.
+  code = ("import os, json, jax; from jax._src import xla_bridge; "
+          "env = dict(os.environ); platforms = jax.config.jax_platforms; "
+          "fd2 = os.fstat(2).st_ino; import skewadam_jax; "
+          "print(json.dumps([dict(os.environ) == env, jax.config.jax_platforms == platforms, "
+          "os.fstat(2).st_ino == fd2, xla_bridge.backends_are_initialized()]))")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                       capture_output=True, text=True).stdout
+  assert json.loads(out.strip().splitlines()[-1]) == [True, True, True, False]
+  assert not (ROOT / "skewadam_jax" / "startup.py").exists()
+
+
 def test_filtered_stderr_drops_only_the_known_lines(capfd):
-  from skewadam_jax import startup  # pylint: disable=import-outside-toplevel
+  from experiments import startup  # pylint: disable=import-outside-toplevel
   with startup.filtered_stderr(startup.CUDA_PLUGIN_NOISE):
     os.write(2, b"I0000 00:00:1.0 1 cudart_stub.cc:31] Could not find cuda drivers on "
                 b"your machine, GPU will not be used.\nkept from C++\n")
@@ -150,7 +167,7 @@ def test_filtered_stderr_drops_only_the_known_lines(capfd):
 def test_a_tpu_is_a_tpu_pci_device_not_the_libtpu_package(tmp_path):
   # libtpu (the tpu-compile extra) installed without a TPU must not count as a
   # TPU machine: JAX would then try to start libtpu and print its errors.
-  from skewadam_jax import startup  # pylint: disable=import-outside-toplevel
+  from experiments import startup  # pylint: disable=import-outside-toplevel
   assert not startup.tpu_present(root=str(tmp_path))
   device = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
   device.mkdir(parents=True)

@@ -8,13 +8,13 @@ first computation print a 19-line plugin traceback before JAX falls back to
 the CPU. Installing ``libtpu`` (for ahead-of-time XLA:TPU compilation) on a
 machine without a TPU makes that first computation print libtpu's
 host-bounds and worker-hostname errors instead. :func:`quiet_jax_start`
-(run when this package is imported, before it imports JAX) avoids both in
+(run when the ``experiments`` package is imported, before it imports JAX) avoids both in
 exactly that case (:func:`accelerator_plugin_without_device`): it chooses
 the CPU (what JAX falls back to anyway; an explicit ``JAX_PLATFORMS``
 always wins) and imports JAX with the CUDA plugin's known lines filtered
 out of the process's standard error. Every other line still reaches it. On
-a machine with an NVIDIA GPU or a TPU attached it does nothing. Import this
-package before JAX for a silent start: JAX prints its first lines while it
+a machine with an NVIDIA GPU or a TPU attached it does nothing. Import
+``experiments`` before JAX for a silent start: JAX prints its first lines while it
 is imported.
 
 :func:`filtered_stderr` is the filter itself, for other known-noise lines
