@@ -6,8 +6,8 @@ The public API:
 * :func:`skewadam` — with decoupled weight decay and a learning rate.
 * :class:`TierConfig` — how a tier stores its momentum and second moment.
 * :class:`MatrixAxes` — which two axes of a leaf form its matrix.
-* :func:`moe_param_labels`, :data:`PATTERNS`, :func:`label_fn` — path-regex
-  labellers.
+* :func:`moe_param_labels`, :data:`PATTERNS`, :func:`label_fn`,
+  :func:`label_names` — path-regex labellers (trees, or lists with names).
 * :func:`leaf_plans` — how each leaf is stored, before a run.
 * :func:`matrices_only`, :func:`add_decayed_weights_to_matrices` — weight
   decay on declared matrices.
@@ -34,6 +34,7 @@ from skewadam_jax.labels import PATTERNS
 from skewadam_jax.labels import ROUTER
 from skewadam_jax.labels import TIERS
 from skewadam_jax.labels import label_fn
+from skewadam_jax.labels import label_names
 from skewadam_jax.labels import moe_param_labels
 from skewadam_jax.orthogonal import newton_schulz
 from skewadam_jax.rounding import apply_updates_stochastic
@@ -60,7 +61,7 @@ __all__ = [
     "ENCODINGS", "EXPERT", "LeafPlan", "MATRICES", "MatrixAxes", "PATTERNS",
     "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
-    "apply_updates_stochastic", "get_encoding", "label_fn", "leaf_plans",
+    "apply_updates_stochastic", "get_encoding", "label_fn", "label_names", "leaf_plans",
     "matrices_only", "moe_param_labels", "newton_schulz", "scale_by_skewadam", "skewadam",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",

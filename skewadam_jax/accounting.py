@@ -50,7 +50,7 @@ def tree_bytes(tree) -> int:
   return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
 
 
-def state_bytes_by_tier(state, *, param_labels=None,
+def state_bytes_by_tier(state, *, param_labels=None, params=None,
                         router=labels_lib.DEFAULT_ROUTER_PATTERNS,
                         expert=labels_lib.DEFAULT_EXPERT_PATTERNS) -> dict[str, int]:
   """Optimizer-state bytes split by tier, for any optax state.
@@ -59,7 +59,13 @@ def state_bytes_by_tier(state, *, param_labels=None,
     state: a live or abstract (``jax.eval_shape``) optimizer state: SkewAdam's,
       any optax optimizer's, or a chain / wrapper containing them.
     param_labels: the ``param_labels`` SkewAdam was built with, if not the
-      default (a tree or a callable; matched to each field by path).
+      default (a tree or a callable; matched to each field by path). They
+      also attribute the parameter-shaped parts of other optimizers' states
+      (AdamW's ``mu`` and ``nu``): any subtree with the structure of
+      ``params`` (or, without ``params``, of a full ``param_labels`` tree).
+    params: the parameters (or ``ShapeDtypeStruct``s) the state was made for;
+      needed with a callable ``param_labels`` when the state holds no
+      SkewAdam state.
     router: patterns attributing other leaves to the router tier.
     expert: patterns attributing other leaves to the expert tier.
 
@@ -77,7 +83,19 @@ def state_bytes_by_tier(state, *, param_labels=None,
   """
   is_skew = lambda x: isinstance(x, transform.ScaleBySkewAdamState)
   totals = {t: 0 for t in labels_lib.TIERS + (OTHER,)}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_skew)[0]:
+  shaped = _params_structure(state, param_labels, params, is_skew)
+
+  def is_params_shaped(x):
+    return (shaped is not None and not is_skew(x) and not jax.tree_util.all_leaves([x])
+            and jax.tree.structure(x) == shaped)
+
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda x: is_skew(x) or is_params_shaped(x))[0]:
+    if is_params_shaped(leaf):
+      tiers = labels_lib.resolve_labels(param_labels, leaf if params is None else params)
+      for tier, x in zip(tiers, jax.tree.leaves(leaf)):
+        totals[tier] += leaf_bytes(x)
+      continue
     if is_skew(leaf):
       totals[OTHER] += leaf_bytes(leaf.count)
       for name in transform.FIELDS:
@@ -99,6 +117,20 @@ def state_bytes_by_tier(state, *, param_labels=None,
       totals[tier] += nbytes
   totals["total"] = sum(totals.values())
   return totals
+
+
+def _params_structure(state, param_labels, params, is_skew):
+  """The tree structure of the parameters, to find their copies in other states (or None)."""
+  if param_labels is None:
+    return None
+  if params is not None:
+    return jax.tree.structure(params)
+  if not labels_lib.is_function(param_labels) and not isinstance(param_labels, str):
+    return jax.tree.structure(param_labels)
+  if not any(is_skew(x) for x in jax.tree.leaves(state, is_leaf=is_skew)):
+    raise ValueError("state_bytes_by_tier with callable param_labels needs params= to find "
+                     "the parameter-shaped parts of a state that holds no SkewAdam state.")
+  return None
 
 
 def abstract_state_bytes_by_tier(tx, params, **patterns) -> dict[str, int]:

@@ -109,7 +109,7 @@ def resolve_matrix_axes(matrix_axes: AxesSpec, tree) -> list[Optional[MatrixAxes
   if matrix_axes is None:
     entries = [MatrixAxes() if len(x.shape) >= 2 else None for x in leaves]
   else:
-    spec = matrix_axes(tree) if callable(matrix_axes) else matrix_axes
+    spec = matrix_axes(tree) if labels_lib.is_function(matrix_axes) else matrix_axes
     entries = labels_lib.spec_per_leaf(spec, tree, what="matrix_axes",
                                        is_spec_leaf=_is_entry)
   return [normalize(e, x.shape, p) for e, x, p in zip(entries, leaves, paths)]

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import jax
+import optax
 
 BACKBONE = "backbone"
 EXPERT = "expert"
@@ -99,12 +100,32 @@ def flatten_with_paths(tree, is_leaf=None) -> tuple[list[str], list[Any], Any]:
           [leaf for _, leaf in path_leaves], treedef)
 
 
+def is_function(x) -> bool:
+  """Whether ``x`` is a function to call, not a pytree container that happens to be callable.
+
+  An Equinox module (or any registered pytree class with ``__call__``) is a
+  tree of declarations built with ``jax.tree.map``: it is walked, never called.
+  """
+  if not callable(x):
+    return False
+  return isinstance(x, jax.tree_util.Partial) or jax.tree_util.all_leaves([x])
+
+
+def _masked_paths(tree) -> list[tuple[str, ...]]:
+  """Paths of the leaves ``optax.masked`` / ``optax.partition`` left out (``MaskedNode``)."""
+  flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+  return [path_parts(p) for p, x in flat if isinstance(x, optax.MaskedNode)]
+
+
 def spec_per_leaf(spec, tree, *, what: str, is_spec_leaf=None) -> list[Any]:
   """One entry of ``spec`` per leaf of ``tree``, matched by path.
 
   Each leaf takes the entry of ``spec`` whose path is the longest prefix
   (component-wise) of the leaf's path; a single non-container ``spec`` applies
-  to every leaf.
+  to every leaf. Inside ``optax.masked`` or ``optax.partition`` the tree holds
+  ``optax.MaskedNode`` where a leaf is left to another transformation: a
+  spec written for the whole parameter tree may name those paths.
 
   Args:
     spec: a tree of entries whose paths name leaves (or subtrees) of ``tree``.
@@ -136,7 +157,9 @@ def spec_per_leaf(spec, tree, *, what: str, is_spec_leaf=None) -> list[Any]:
       raise ValueError(
           f"{what} does not match the parameter tree: no entry for "
           f"{missing[:3]} ({len(entries)} entries for {len(paths)} leaves).")
-  unused = sorted("/".join(p) for p in set(entries) - used)
+  masked = _masked_paths(tree)
+  unused = sorted("/".join(e) for e in set(entries) - used
+                  if not any(m[:len(e)] == e or e[:len(m)] == m for m in masked))
   if unused and paths:
     raise ValueError(
         f"{what} does not match the parameter tree: entries for paths not in "
@@ -152,7 +175,13 @@ def _compile(patterns: Patterns) -> list[re.Pattern]:
 
 def label_path(path: str, *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
                expert: Patterns = DEFAULT_EXPERT_PATTERNS) -> str:
-  """The tier of one ``/``-joined path (router patterns take precedence)."""
+  """The tier of one ``/``-joined path (router patterns take precedence).
+
+  ``.`` separates components too, so the flat names of a Hugging Face state
+  dict (``model.layers.0.block_sparse_moe.gate.weight``) match the same
+  patterns as nested paths.
+  """
+  path = path.replace(".", "/")
   if any(p.search(path) for p in _compile(router)):
     return ROUTER
   if any(p.search(path) for p in _compile(expert)):
@@ -193,6 +222,29 @@ def moe_param_labels(tree, *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
       tree)
 
 
+def label_names(names: Sequence[str], *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
+                expert: Patterns = DEFAULT_EXPERT_PATTERNS) -> list[str]:
+  """The tiers of parameters given as a list, from their names.
+
+  Keras's stateless API (``model.stateless_call``, KerasHub on the JAX
+  backend) passes the trainable variables as a list, whose tree paths are
+  only ``0, 1, ...``; their names are the variables' ``.path``. The result is
+  a list of tiers in the same order: pass it as ``param_labels``.
+
+  Args:
+    names: one name per parameter (``/``- or ``.``-separated).
+    router, expert: patterns, as in :func:`moe_param_labels` (or
+      ``**PATTERNS[name]``).
+
+  Example:
+    >>> label_names(["block_0/attention/query/kernel",
+    ...              "block_0/sparse_moe/router/kernel",
+    ...              "block_0/sparse_moe/experts/gate_kernel"])
+    ['backbone', 'router', 'expert']
+  """
+  return [label_path(str(name), router=router, expert=expert) for name in names]
+
+
 def label_fn(name: str) -> Callable[[Any], Any]:
   """The labeller for one of the :data:`PATTERNS` sets, e.g. ``"maxtext"``.
 
@@ -214,8 +266,9 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
   Args:
     param_labels: ``None`` (use :func:`moe_param_labels`), a tier name for
       every leaf, a pytree of tier names whose paths name the leaves (the
-      parameter tree or a prefix of it), or a callable mapping ``tree`` to
-      such a pytree.
+      parameter tree or a prefix of it; a callable pytree such as an Equinox
+      module is a tree, see :func:`is_function`), or a function mapping
+      ``tree`` to such a pytree.
     tree: parameters or updates.
     warn: with ``param_labels=None``, warn when the default patterns label no
       leaf ``"expert"`` or none ``"router"`` (the tree probably names its
@@ -230,7 +283,7 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
   """
   if param_labels is None:
     labels_tree = moe_param_labels(tree)
-  elif callable(param_labels):
+  elif is_function(param_labels):
     labels_tree = param_labels(tree)
   else:
     labels_tree = param_labels

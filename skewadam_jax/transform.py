@@ -292,7 +292,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   if orthogonal_mask is None:
     allowed = [True] * len(leaves)
   else:
-    spec = orthogonal_mask(tree) if callable(orthogonal_mask) else orthogonal_mask
+    spec = (orthogonal_mask(tree) if labels_lib.is_function(orthogonal_mask)
+            else orthogonal_mask)
     allowed = labels_lib.spec_per_leaf(spec, tree, what="orthogonal_mask")
   plans = []
   for leaf, tier, axes, allow in zip(leaves, tiers, declared, allowed):
@@ -879,6 +880,10 @@ def skewadam(
     raise ValueError(f"mask must be {MATRICES!r}, a pytree of bools, "
                      f"a callable or None, got {mask!r}.")
   else:
+    if mask is not None and not labels_lib.is_function(mask) and callable(mask):
+      # optax calls any callable mask: a callable pytree (an Equinox module of
+      # bools) is the mask itself.
+      mask = (lambda tree, _mask=mask: _mask)
     decay = optax.add_decayed_weights(weight_decay, mask)
   backbone, expert, router = (
       _with_mu_dtype(name, tier, mu_dtype)
