@@ -8,7 +8,9 @@ The public API:
 * :class:`MatrixAxes` — which two axes of a leaf form its matrix.
 * :func:`moe_param_labels`, :data:`PATTERNS`, :func:`label_fn`,
   :func:`label_names` — path-regex labellers (trees, or lists with names).
-* :func:`leaf_plans` — how each leaf is stored, before a run.
+* :func:`plan_table` — the first thing to run on a new model: every leaf's
+  tier, matrix axes, encodings and decay, as a table (:func:`leaf_plans`:
+  the same as records).
 * :func:`matrices_only`, :func:`add_decayed_weights_to_matrices` — weight
   decay on declared matrices.
 * :func:`state_bytes_by_tier`, :func:`abstract_state_bytes_by_tier`,
@@ -37,6 +39,7 @@ from skewadam_jax.labels import label_fn
 from skewadam_jax.labels import label_names
 from skewadam_jax.labels import moe_param_labels
 from skewadam_jax.orthogonal import newton_schulz
+from skewadam_jax.plans import plan_table
 from skewadam_jax.rounding import apply_updates_stochastic
 from skewadam_jax.rounding import stochastic_round_to_bf16
 from skewadam_jax.sharding import state_shardings
@@ -62,7 +65,7 @@ __all__ = [
     "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "get_encoding", "label_fn", "label_names", "leaf_plans",
-    "matrices_only", "moe_param_labels", "newton_schulz", "scale_by_skewadam", "skewadam",
+    "matrices_only", "moe_param_labels", "newton_schulz", "plan_table", "scale_by_skewadam", "skewadam",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",
 ]

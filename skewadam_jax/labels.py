@@ -13,8 +13,16 @@ Pattern sets for common parameter trees (pass them as
 | name | expert leaves | router leaves |
 |---|---|---|
 | ``"default"`` (this project's model) | a path component ``experts`` | a path component ``router`` |
-| ``"hf_mixtral"`` (Hugging Face Mixtral: ``.../block_sparse_moe/experts/3/w1/kernel``, one 2-D leaf per expert) | ``block_sparse_moe/experts/`` | ``block_sparse_moe/gate`` |
-| ``"maxtext"`` (MaxText ``MoeBlock_0/wi_0`` ``[E, d, f]``, ``wi_1``, ``wo``; router ``MoeBlock_0/gate/kernel``) | ``MoeBlock_N/wi_0``, ``wi_1``, ``wo`` | ``MoeBlock_N/gate`` |
+| ``"hf"`` (Hugging Face checkpoints: Mixtral ``model.layers.0.block_sparse_moe.experts.3.w1.weight``, one 2-D leaf per expert; Qwen2/3-MoE, DeepSeek-V2/V3 ``mlp.experts.K.gate_proj``; GPT-OSS ``mlp.experts.gate_up_proj``); ``"hf_mixtral"`` is the same set | ``block_sparse_moe/experts``, ``mlp/experts`` | ``block_sparse_moe/gate``, ``mlp/gate``, ``mlp/router`` |
+| ``"levanter"`` (Levanter's Equinox Mixtral / Qwen3-MoE, scanned: ``transformer/layers/stacked/block_sparse_moe/experts/w1/weight/0`` ``[L, E, D, F]``) | as ``"hf"`` | as ``"hf"`` (``gate/weight/0`` ``[L, E, D]``) |
+| ``"maxtext"`` (MaxText Mixtral ``MoeBlock_0``, Qwen3-MoE ``moe_block``, DeepSeek ``DeepSeekMoeBlock_0/MoeBlock_0``, GPT-OSS ``GptOssMlp``, Qwen3-Next ``routed_experts``) | ``wi_0``, ``wi_1``, fused ``wi``, ``wo``, their ``_bias``, ``per_expert_scale`` | ``<block>/gate`` (kernel and bias) |
+| ``"keras_hub"`` (KerasHub Mixtral ``transformer_layer_0/mixtral_sparse_moe_block/experts/expert_feedforward_gate_dense``, Qwen-MoE, Qwen3-MoE, GPT-OSS; list-shaped parameters: label their ``.path`` names with :func:`label_names`) | ``*sparse_moe_block*/experts`` | ``sparse_feedforward_gate_dense``, ``router``, ``router_gate`` |
+
+Shared experts are dense layers every token uses, so every set leaves them in
+the backbone. Labels say nothing about matrix axes: a 2-D expert bias
+``[E, F]`` or a MaxText layer axis at position 1 needs its
+``matrix_axes`` declared (:mod:`skewadam_jax.axes`); check the result with
+:func:`skewadam_jax.plan_table` before a long run.
 
 Labels must depend on the *structure* of the tree only (paths, not values),
 because optax calls label functions on the parameters in ``init`` and on the
@@ -47,12 +55,31 @@ TIERS = (BACKBONE, EXPERT, ROUTER)
 DEFAULT_ROUTER_PATTERNS = (r"(^|/)router(/|$)",)
 DEFAULT_EXPERT_PATTERNS = (r"(^|/)experts(/|$)",)
 
+# Hugging Face checkpoints (Mixtral's block_sparse_moe, Qwen-MoE / DeepSeek /
+# GPT-OSS's mlp) and Levanter, whose Equinox fields copy Hugging Face's names.
+# Shared experts (shared_expert, shared_experts, shared_mlp) and Qwen's
+# shared_expert_gate are dense: backbone.
+_HF = {"router": (r"(^|/)(block_sparse_moe|mlp)/(gate|router)(/|$)",),
+       "expert": (r"(^|/)(block_sparse_moe|mlp)/experts(/|$)",)}
+# MaxText's routed MoE module inside Mixtral's MoeBlock_N, Qwen3's moe_block,
+# DeepSeek's and Llama4's .../MoeBlock_0, GPT-OSS's GptOssMlp, Qwen3-Next's
+# routed_experts; a fused wi, expert biases and per-expert scales included.
+_MAXTEXT_BLOCK = r"(^|/)(MoeBlock_\d+|moe_block|GptOssMlp|routed_experts)/"
+# KerasHub's Mixtral, Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE and GPT-OSS blocks
+# (mixtral_sparse_moe_block_3, qwen_sparse_moe_block, sparse_moe_block, ...).
+_KERAS_BLOCK = r"(^|/)[a-z0-9_]*sparse_moe_block(_\d+)?/"
+
 PATTERNS = {
     "default": {"router": DEFAULT_ROUTER_PATTERNS, "expert": DEFAULT_EXPERT_PATTERNS},
-    "hf_mixtral": {"router": (r"(^|/)block_sparse_moe/gate(/|$)",),
-                   "expert": (r"(^|/)block_sparse_moe/experts/",)},
-    "maxtext": {"router": (r"(^|/)MoeBlock_\d+/gate(/|$)",),
-                "expert": (r"(^|/)MoeBlock_\d+/(wi_0|wi_1|wo)(/|$)",)},
+    "hf": _HF,
+    "hf_mixtral": _HF,
+    "levanter": _HF,
+    "maxtext": {"router": (_MAXTEXT_BLOCK + r"gate(/|$)",),
+                "expert": (_MAXTEXT_BLOCK + r"(wi_0|wi_1|wi|wo)(_bias)?(/|$)",
+                           _MAXTEXT_BLOCK + r"per_expert_scale(/|$)")},
+    "keras_hub": {"router": (_KERAS_BLOCK + r"(sparse_feedforward_gate_dense|router|router_gate)"
+                             r"(/|$)",),
+                  "expert": (_KERAS_BLOCK + r"experts(/|$)",)},
 }
 
 Patterns = Union[str, Sequence[str]]
@@ -167,6 +194,10 @@ def spec_per_leaf(spec, tree, *, what: str, is_spec_leaf=None) -> list[Any]:
   return out
 
 
+def _as_tuple(patterns: Patterns) -> tuple[str, ...]:
+  return (patterns,) if isinstance(patterns, str) else tuple(patterns)
+
+
 def _compile(patterns: Patterns) -> list[re.Pattern]:
   if isinstance(patterns, str):
     patterns = (patterns,)
@@ -245,19 +276,63 @@ def label_names(names: Sequence[str], *, router: Patterns = DEFAULT_ROUTER_PATTE
   return [label_path(str(name), router=router, expert=expert) for name in names]
 
 
-def label_fn(name: str) -> Callable[[Any], Any]:
+class PatternLabeller:
+  """A labeller for one named pattern set: called on a tree, returns its labels.
+
+  Attributes:
+    name: the pattern set's name in :data:`PATTERNS` (or ``"custom"``).
+    router, expert: its patterns.
+  """
+
+  def __init__(self, name: str, router: Patterns, expert: Patterns):
+    self.name, self.router, self.expert = name, router, expert
+
+  def __call__(self, tree):
+    return moe_param_labels(tree, router=self.router, expert=self.expert)
+
+  def __repr__(self):
+    return f"label_fn({self.name!r})"
+
+
+def label_fn(name: str) -> PatternLabeller:
   """The labeller for one of the :data:`PATTERNS` sets, e.g. ``"maxtext"``.
 
   Pass it as ``param_labels`` (and, under ``optax.inject_hyperparams``, name
-  ``param_labels`` in ``static_args``).
+  ``param_labels`` in ``static_args``). ``init`` warns when it labels no leaf
+  ``"expert"`` or none ``"router"``, naming the set and a few paths.
 
   Raises:
     ValueError: for a name not in :data:`PATTERNS`.
   """
   if name not in PATTERNS:
     raise ValueError(f"Unknown pattern set {name!r}; expected one of {sorted(PATTERNS)}.")
-  patterns = PATTERNS[name]
-  return lambda tree: moe_param_labels(tree, **patterns)
+  return PatternLabeller(name, **PATTERNS[name])
+
+
+def _example_paths(paths: list[str], leaves: list[Any], tier: str) -> list[str]:
+  """A few paths that may be what the patterns missed, for the warning."""
+  if tier == EXPERT:
+    hits = [p for p, x in zip(paths, leaves) if "expert" in p.lower() or len(x.shape) >= 3]
+  else:
+    hits = [p for p in paths if re.search(r"gate|rout", p, re.I) and "proj" not in p]
+  return (hits or paths)[:3]
+
+
+def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
+  unmatched = [t for t in (EXPERT, ROUTER) if t not in labels]
+  if not unmatched:
+    return
+  paths, leaves, _ = flatten_with_paths(tree)
+  examples = {t: _example_paths(paths, leaves, t) for t in unmatched}
+  who = "default labeller" if name == "default" else f"labeller {name!r}"
+  warnings.warn(
+      f"SkewAdam's {who} found no {' and no '.join(unmatched)} leaf among "
+      f"{len(labels)} parameters (patterns {_as_tuple(patterns['expert']) + _as_tuple(patterns['router'])}); "
+      f"every such leaf is in the backbone tier. Paths that may be meant: "
+      + "; ".join(f"{t}: {examples[t]}" for t in unmatched)
+      + f". Pass param_labels (a label_fn of {sorted(PATTERNS)}, a tree, or your own "
+      "patterns) if the tree names its experts or router differently; "
+      "skewadam_jax.plan_table(params) shows every leaf's tier.", stacklevel=5)
 
 
 def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list[str]:
@@ -270,9 +345,9 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
       module is a tree, see :func:`is_function`), or a function mapping
       ``tree`` to such a pytree.
     tree: parameters or updates.
-    warn: with ``param_labels=None``, warn when the default patterns label no
-      leaf ``"expert"`` or none ``"router"`` (the tree probably names its
-      expert bank differently, and everything would be backbone).
+    warn: with ``param_labels=None`` or a :func:`label_fn` labeller, warn
+      when its patterns label no leaf ``"expert"`` or none ``"router"`` (the
+      tree probably names them differently, and they would be backbone).
 
   Returns:
     One tier name per leaf.
@@ -294,14 +369,9 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
       raise ValueError(
           f"Parameter {path!r} has label {label!r}, which is not a tier; "
           f"expected one of {TIERS}.")
-  if warn and param_labels is None and labels:
-    unmatched = [t for t in (EXPERT, ROUTER) if t not in labels]
-    if unmatched:
-      warnings.warn(
-          f"SkewAdam's default labeller found no {' and no '.join(unmatched)} "
-          f"leaf among {len(labels)} parameters (patterns "
-          f"{DEFAULT_EXPERT_PATTERNS + DEFAULT_ROUTER_PATTERNS}); every such "
-          "leaf is in the backbone tier. Pass param_labels (e.g. "
-          "skewadam_jax.labels.label_fn('maxtext') or 'hf_mixtral') if the "
-          "tree names its experts or router differently.", stacklevel=5)
+  if warn and labels and param_labels is None:
+    _warn_unmatched("default", PATTERNS["default"], labels, tree)
+  elif warn and labels and isinstance(param_labels, PatternLabeller):
+    _warn_unmatched(param_labels.name, {"router": param_labels.router,
+                                        "expert": param_labels.expert}, labels, tree)
   return labels

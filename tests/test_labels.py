@@ -1,5 +1,7 @@
 """Tests for the tier labeller."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -121,7 +123,7 @@ def test_default_patterns_warn_when_nothing_is_an_expert_or_router():
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    labels.resolve_labels(labels.label_fn("maxtext"), MAXTEXT, warn=True)  # explicit: silent
+    labels.resolve_labels(labels.label_fn("maxtext"), MAXTEXT, warn=True)  # it matches: silent
     labels.resolve_labels(None, {"router": jnp.zeros(2), "experts": jnp.zeros((2, 2, 2))},
                           warn=True)
 
@@ -129,3 +131,134 @@ def test_default_patterns_warn_when_nothing_is_an_expert_or_router():
 def test_unknown_pattern_set_raises():
   with pytest.raises(ValueError, match=r"Unknown pattern set 'mixtral'"):
     labels.label_fn("mixtral")
+
+
+# Real trees' paths (issue 26, item 13), as their frameworks flatten them:
+# KerasHub 0.32 (variables' .path, list-shaped parameters), Levanter's
+# Equinox/Haliax modules (scanned; NamedArray adds a trailing /0), MaxText's
+# Linen trees (layer axis at position 1), Hugging Face checkpoint names.
+def _tree(paths_and_shapes):
+  return {p: jnp.zeros(s) for p, s in paths_and_shapes}
+
+
+REAL_TREES = {
+    "keras_hub mixtral": ("keras_hub", [
+        ("transformer_layer_0/self_attention/query/kernel", (8, 2, 4)),
+        ("transformer_layer_0/mixtral_sparse_moe_block/sparse_feedforward_gate_dense/kernel", (8, 4)),
+        ("transformer_layer_0/mixtral_sparse_moe_block/experts/expert_feedforward_gate_dense", (4, 8, 16)),
+        ("transformer_layer_0/mixtral_sparse_moe_block/experts/expert_feedforward_intermediate_dense", (4, 8, 16)),
+        ("transformer_layer_0/mixtral_sparse_moe_block/experts/expert_feedforward_output_dense", (4, 16, 8)),
+        ("transformer_layer_1/mixtral_sparse_moe_block_1/sparse_feedforward_gate_dense/kernel", (8, 4)),
+        ("transformer_layer_1/mixtral_sparse_moe_block_1/experts/expert_feedforward_output_dense", (4, 16, 8)),
+    ], 4, 2),
+    "keras_hub qwen_moe": ("keras_hub", [
+        ("transformer_layer_0/qwen_sparse_moe_block/sparse_feedforward_gate_dense/kernel", (8, 4)),
+        ("transformer_layer_0/qwen_sparse_moe_block/experts/expert_feedforward_gate_dense", (4, 8, 32)),
+        ("transformer_layer_0/qwen_sparse_moe_block/experts/expert_feedforward_output_dense", (4, 16, 8)),
+        ("transformer_layer_0/qwen_sparse_moe_block/shared_expert_dense/feedforward_gate_dense/kernel", (8, 16)),
+        ("transformer_layer_0/qwen_sparse_moe_block/shared_expert_gate_dense/kernel", (8, 1)),
+    ], 2, 1),
+    "keras_hub gpt_oss": ("keras_hub", [
+        ("transformer_layer_0/sparse_moe_block/router/router_dense/kernel", (8, 4)),
+        ("transformer_layer_0/sparse_moe_block/router/router_dense/bias", (4,)),
+        ("transformer_layer_0/sparse_moe_block/experts/gate_up_proj", (4, 8, 32)),
+        ("transformer_layer_0/sparse_moe_block/experts/gate_up_proj_bias", (4, 32)),
+        ("transformer_layer_0/sparse_moe_block/experts/down_proj", (4, 16, 8)),
+    ], 3, 2),
+    "levanter mixtral": ("levanter", [
+        ("transformer/layers/stacked/self_attn/q_proj/weight/0", (2, 8, 8)),
+        ("transformer/layers/stacked/block_sparse_moe/gate/weight/0", (2, 4, 8)),
+        ("transformer/layers/stacked/block_sparse_moe/experts/w1/weight/0", (2, 4, 8, 16)),
+        ("transformer/layers/stacked/block_sparse_moe/experts/w2/weight/0", (2, 4, 16, 8)),
+        ("transformer/layers/stacked/block_sparse_moe/experts/w3/weight/0", (2, 4, 8, 16)),
+        ("transformer/layers/stacked/block_sparse_moe/shared_mlp/gate_proj/weight/0", (2, 16, 8)),
+    ], 3, 1),
+    "levanter qwen3_moe": ("levanter", [
+        ("transformer/layers/stacked/mlp/gate/weight/0", (2, 4, 8)),
+        ("transformer/layers/stacked/mlp/experts/gate_proj/weight/0", (2, 4, 8, 16)),
+        ("transformer/layers/stacked/mlp/experts/down_proj/weight/0", (2, 4, 16, 8)),
+        ("transformer/layers/stacked/input_layernorm/weight/0", (2, 8)),
+    ], 2, 1),
+    "maxtext mixtral": ("maxtext", [
+        ("params/decoder/layers/MoeBlock_0/gate/kernel", (8, 2, 4)),
+        ("params/decoder/layers/MoeBlock_0/wi_0", (4, 2, 8, 16)),
+        ("params/decoder/layers/MoeBlock_0/wi_1", (4, 2, 8, 16)),
+        ("params/decoder/layers/MoeBlock_0/wo", (4, 2, 16, 8)),
+        ("params/decoder/layers/self_attention/query/kernel", (8, 2, 2, 4)),
+    ], 3, 1),
+    "maxtext qwen3_moe": ("maxtext", [
+        ("params/decoder/layers/moe_block/gate/kernel", (8, 2, 4)),
+        ("params/decoder/layers/moe_block/wi_0", (4, 2, 8, 16)),
+        ("params/decoder/layers/moe_block/wo", (4, 2, 16, 8)),
+    ], 2, 1),
+    "maxtext deepseek": ("maxtext", [
+        ("params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel", (8, 2, 4)),
+        ("params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/bias", (2, 4)),
+        ("params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi_0", (4, 2, 8, 16)),
+        ("params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wo", (4, 2, 16, 8)),
+        ("params/decoder/moe_layers/DeepSeekMoeBlock_0/shared_experts/wi_0/kernel", (8, 2, 16)),
+        ("params/decoder/dense_layers/mlp/wi_0/kernel", (8, 1, 16)),
+    ], 2, 2),
+    "maxtext gpt_oss fused": ("maxtext", [
+        ("params/decoder/layers/layers_0/GptOssMlp/gate/kernel", (8, 2, 4)),
+        ("params/decoder/layers/layers_0/GptOssMlp/wi", (4, 2, 8, 32)),
+        ("params/decoder/layers/layers_0/GptOssMlp/wi_0_bias", (4, 2, 16)),
+        ("params/decoder/layers/layers_0/GptOssMlp/wo", (4, 2, 16, 8)),
+        ("params/decoder/layers/layers_0/GptOssMlp/wo_bias", (4, 2, 8)),
+    ], 4, 1),
+    "hf mixtral": ("hf", [
+        ("model.layers.0.self_attn.q_proj.weight", (8, 8)),
+        ("model.layers.0.block_sparse_moe.gate.weight", (4, 8)),
+        ("model.layers.0.block_sparse_moe.experts.0.w1.weight", (16, 8)),
+        ("model.layers.0.block_sparse_moe.experts.1.w2.weight", (8, 16)),
+    ], 2, 1),
+    "hf qwen2_moe": ("hf", [
+        ("model.layers.0.mlp.gate.weight", (4, 8)),
+        ("model.layers.0.mlp.experts.0.gate_proj.weight", (16, 8)),
+        ("model.layers.0.mlp.experts.0.down_proj.weight", (8, 16)),
+        ("model.layers.0.mlp.shared_expert.gate_proj.weight", (16, 8)),
+        ("model.layers.0.mlp.shared_expert_gate.weight", (1, 8)),
+    ], 2, 1),
+    "hf deepseek_v3": ("hf", [
+        ("model.layers.0.mlp.gate_proj.weight", (16, 8)),
+        ("model.layers.3.mlp.gate.weight", (4, 8)),
+        ("model.layers.3.mlp.gate.e_score_correction_bias", (4,)),
+        ("model.layers.3.mlp.experts.7.up_proj.weight", (16, 8)),
+        ("model.layers.3.mlp.shared_experts.up_proj.weight", (16, 8)),
+    ], 1, 2),
+    "hf gpt_oss": ("hf", [
+        ("model.layers.0.mlp.router.weight", (4, 8)),
+        ("model.layers.0.mlp.router.bias", (4,)),
+        ("model.layers.0.mlp.experts.gate_up_proj", (4, 8, 32)),
+        ("model.layers.0.mlp.experts.down_proj_bias", (4, 8)),
+    ], 2, 2),
+}
+
+
+@pytest.mark.parametrize("model", sorted(REAL_TREES))
+def test_named_pattern_sets_route_real_trees(model):
+  name, paths_and_shapes, experts, routers = REAL_TREES[model]
+  paths = [p for p, _ in paths_and_shapes]
+  got = labels.label_names(paths, **labels.PATTERNS[name])
+  in_tree = labels.resolve_labels(labels.label_fn(name), _tree(paths_and_shapes))
+  assert dict(zip(sorted(paths), in_tree)) == dict(zip(paths, got))  # jax sorts dict keys
+  by_tier = {t: [p for p, g in zip(paths, got) if g == t] for t in labels.TIERS}
+  assert len(by_tier["expert"]) == experts, by_tier
+  assert len(by_tier["router"]) == routers, by_tier
+  assert not any("shared" in p for p in by_tier["expert"] + by_tier["router"])
+  assert not any(re.search(r"attn|attention|norm|proj\.weight$", p) and "experts" not in p
+                 for p in by_tier["expert"] + by_tier["router"]), by_tier
+
+
+def test_named_pattern_sets_warn_naming_the_set_and_example_paths():
+  tree = _tree(REAL_TREES["keras_hub mixtral"][1])
+  with pytest.warns(UserWarning, match=r"labeller 'maxtext' found no expert and no router.*"
+                                       r"mixtral_sparse_moe_block/experts/"):
+    labels.resolve_labels(labels.label_fn("maxtext"), tree, warn=True)
+  with pytest.warns(UserWarning, match=r"default labeller found no router leaf.*"
+                                       r"sparse_feedforward_gate_dense"):
+    labels.resolve_labels(None, tree, warn=True)
+  import warnings  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    labels.resolve_labels(labels.label_fn("keras_hub"), tree, warn=True)

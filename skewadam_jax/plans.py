@@ -1,0 +1,104 @@
+"""The first thing to run on a new model: how SkewAdam will store each leaf, as a table.
+
+:func:`plan_table` prints, for every parameter, its path and shape, its tier,
+the axes that form its matrix (or ``vector``), its momentum encoding, its
+second moment, its direction, whether it is decayed, and its state bytes per
+parameter: the same resolution ``init`` and ``update`` make
+(:func:`~skewadam_jax.leaf_plans`), from shapes only (nothing is allocated, so
+``jax.ShapeDtypeStruct`` trees of any size work). A misrouted expert bank (a
+``backbone`` row with an ``[E, d, f]`` shape) or a stacked norm factored
+across layers is visible here before a long run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+
+from skewadam_jax import accounting
+from skewadam_jax import labels as labels_lib
+from skewadam_jax import transform
+
+COLUMNS = ("path", "shape", "tier", "matrix axes", "momentum", "second moment", "direction",
+           "decay", "state B/param")
+
+
+def _decayed(mask, params, matrix_axes) -> list[bool]:
+  leaves = jax.tree.leaves(params)
+  if isinstance(mask, str) and mask == transform.MATRICES:
+    return jax.tree.leaves(transform.matrices_only(params, matrix_axes))
+  if mask is None:
+    return [True] * len(leaves)
+  spec = mask(params) if labels_lib.is_function(mask) else mask
+  return [bool(m) for m in labels_lib.spec_per_leaf(spec, params, what="mask")]
+
+
+def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> list[dict]:
+  """One dict per leaf with the :data:`COLUMNS` of :func:`plan_table`, in flattening order."""
+  plans = transform.leaf_plans(params, warn=True, **{
+      k: v for k, v in skewadam_kwargs.items()
+      if k in ("param_labels", "matrix_axes", "backbone", "expert", "router",
+               "orthogonal_mask")})
+  paths, leaves, _ = labels_lib.flatten_with_paths(params)
+  with warnings.catch_warnings():  # leaf_plans has warned already
+    warnings.simplefilter("ignore", UserWarning)
+    per_param = accounting.state_bytes_per_param(
+        transform.scale_by_skewadam(**skewadam_kwargs), params)
+  decay = _decayed(mask, params, skewadam_kwargs.get("matrix_axes"))
+  rows = []
+  for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
+    size = max(1, _size(leaf.shape))
+    second = ("none" if plan.orthogonal else
+              f"{'factored' if plan.factored else 'exact'} {plan.nu_dtype.name}")
+    rows.append({
+        "path": path or "<root>", "shape": list(leaf.shape), "tier": plan.tier,
+        "matrix axes": "vector" if plan.axes is None else f"({plan.axes.rows}, {plan.axes.cols})",
+        "momentum": "none" if plan.encoding is None else plan.encoding.name,
+        "second moment": second,
+        "direction": "orthogonal" if plan.orthogonal else "adam",
+        "decay": "yes" if decayed else "no",
+        "state B/param": round(nbytes / size, 3)})
+  return rows
+
+
+def _size(shape) -> int:
+  n = 1
+  for d in shape:
+    n *= int(d)
+  return n
+
+
+def plan_table(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> str:
+  """How :func:`~skewadam_jax.skewadam` will store each leaf of ``params``, as a text table.
+
+  Args:
+    params: parameters or ``jax.ShapeDtypeStruct`` s.
+    mask: the weight-decay mask, as :func:`~skewadam_jax.skewadam`'s.
+    **skewadam_kwargs: ``param_labels``, ``matrix_axes``, ``backbone``,
+      ``expert``, ``router``, ``orthogonal_mask`` (and the other arguments
+      of :func:`~skewadam_jax.scale_by_skewadam`), as you will pass them.
+
+  Returns:
+    A table with a header row and one row per leaf (:data:`COLUMNS`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> params = {"embed": jax.ShapeDtypeStruct((64, 8), jnp.float32),
+    ...           "moe": {"router": jax.ShapeDtypeStruct((8, 4), jnp.float32),
+    ...                   "experts": jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)}}
+    >>> print(plan_table(params))  # doctest: +NORMALIZE_WHITESPACE
+    path         shape       tier      matrix axes  momentum  second moment     direction  decay  state B/param
+    embed        [64, 8]     backbone  (0, 1)       bf16      factored float32  adam       yes    2.562
+    moe/experts  [4, 8, 16]  expert    (1, 2)       sign      factored float32  adam       yes    1.625
+    moe/router   [8, 4]      router    (0, 1)       fp32      exact float32     adam       yes    8.0
+  """
+  rows = plan_rows(params, mask=mask, **skewadam_kwargs)
+  cells = [list(COLUMNS)] + [[_cell(row[c]) for c in COLUMNS] for row in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _cell(value) -> str:
+  return "[" + ", ".join(str(d) for d in value) + "]" if isinstance(value, list) else str(value)
