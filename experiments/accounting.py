@@ -82,7 +82,7 @@ def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
   decayed_paths = decayed_by_path(optimizer, preset=observe_on, skewadam_tiers=skewadam_tiers)
   decayed = [decayed_paths.get(path) for path in paths]
   nbytes = skewadam_jax.state_bytes_per_param(tx, params)
-  plans = (skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes),
+  plans = (skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes, skewadam_tiers),
                                     **(skewadam_tiers or {}))
            if optimizer == "skewadam" else [None] * len(leaves))
   orthogonal = None

@@ -79,21 +79,31 @@ def decay_mask(axes: Axes) -> Callable[[Any], Any]:
   return per_path({p: model_axes.matrix_dims(n) is not None for p, n in axes.items()})
 
 
-def skewadam_axes(axes: Axes) -> dict:
+def skewadam_axes(axes: Axes, skewadam_tiers: dict | None = None) -> dict:
   """SkewAdam's ``param_labels``, ``matrix_axes`` and ``orthogonal_mask`` from the logical axes.
 
-  Both are functions of the tree they are given (matched by path), so the
+  All are functions of the tree they are given (matched by path), so the
   same optimizer serves the whole parameter tree or any part of it (one
-  layer's slice, the parameters outside the layer stack).
+  layer's slice, the parameters outside the layer stack). The
+  ``orthogonal_mask`` only where ``skewadam_tiers`` has an orthogonal tier
+  (the library refuses a mask it would ignore).
   """
-  return {
+  out = {
       "param_labels": per_path({p: model_axes.tier(n) for p, n in axes.items()}),
       "matrix_axes": per_path({
           p: None if (d := model_axes.matrix_dims(n)) is None else skewadam_jax.MatrixAxes(*d)
           for p, n in axes.items()}),
-      # A tier with the orthogonal direction orthogonalises what Muon does.
-      "orthogonal_mask": per_path({p: orthogonalized(n) for p, n in axes.items()}),
   }
+  if any(_direction(t) == "orthogonal" for t in (skewadam_tiers or {}).values()):
+    # A tier with the orthogonal direction orthogonalises what Muon does.
+    out["orthogonal_mask"] = per_path({p: orthogonalized(n) for p, n in axes.items()})
+  return out
+
+
+def _direction(tier) -> str:
+  if isinstance(tier, dict):
+    return tier.get("direction", "adam")
+  return getattr(tier, "direction", "adam")
 
 
 def orthogonalized(names) -> bool:
@@ -209,7 +219,7 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
                      mask=mask, mu_dtype=jnp.float32)
   elif name == "skewadam":
     tx = skewadam_jax.skewadam(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
-                               mask=mask, **skewadam_axes(axes),
+                               mask=mask, **skewadam_axes(axes, skewadam_tiers),
                                **(skewadam_tiers or {}))
   elif name == "muon":
     # optax's muon() decays every leaf of its AdamW part (norm scales

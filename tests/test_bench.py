@@ -119,3 +119,15 @@ def test_markdown_lists_every_train_step_with_its_ratio(result):
                                         "skewadam orthogonal": 2.0}}
   text = bench.markdown(result, train)
   assert "| skewadam orthogonal | 500 | 2.00 |" in text and "| adamw | 1,000 | 1.00 |" in text
+
+
+def test_compile_times_of_a_per_expert_tree():
+  tree = bench.per_expert_tree(layers=2, experts=2, d_model=8, d_ff=16, vocab=16)
+  assert len(jax.tree.leaves(tree)) == 2 * (2 * 3 + 1) + 1
+  labels = jax.tree.leaves(bench.skewadam_jax.label_fn("hf")(tree))
+  assert labels.count("expert") == 12 and labels.count("router") == 2
+  result = bench.compile_times(tree, rounds=1)
+  assert result["leaves"] == 15 and set(result["rows"]) == {"optax.adamw", "skewadam"}
+  assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
+  for row in result["rows"].values():
+    assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_lines"] > 100

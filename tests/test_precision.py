@@ -59,7 +59,7 @@ def test_complex_parameters_follow_optax_adam():
   adam = optax.scale_by_adam()
   exact = sa.TierConfig("fp32", "exact")
   for tx in (sa.scale_by_skewadam(backbone=exact),                       # Adam's form
-             sa.scale_by_skewadam(backbone=sa.TierConfig("sign", "exact"))):  # complex64 m
+             sa.scale_by_skewadam(backbone=sa.TierConfig("int8", "exact"))):  # complex64 m
     s, s_ref = tx.init(params), adam.init(params)
     for g in grads:
       u, s = tx.update(g, s)

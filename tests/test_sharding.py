@@ -75,8 +75,9 @@ def at(tree, path):
   return tree
 
 
-@pytest.mark.parametrize("second_moment", ["factored", "exact"])
-@pytest.mark.parametrize("momentum", ["fp32", "bf16", "int8", "sign", "none"])
+@pytest.mark.parametrize("momentum, second_moment", [
+    (m, v) for v in ("factored", "exact") for m in ("fp32", "bf16", "int8", "sign", "none")
+    if (m, v) != ("sign", "exact")])  # refused: no bound on the update
 def test_expert_tier_specs_follow_the_encoding(momentum, second_moment):
   tx = skewadam_jax.scale_by_skewadam(
       expert=skewadam_jax.TierConfig(momentum, second_moment, int8_block_size=4))
