@@ -152,7 +152,9 @@ def spec_per_leaf(spec, tree, *, what: str, is_spec_leaf=None) -> list[Any]:
   (component-wise) of the leaf's path; a single non-container ``spec`` applies
   to every leaf. Inside ``optax.masked`` or ``optax.partition`` the tree holds
   ``optax.MaskedNode`` where a leaf is left to another transformation: a
-  spec written for the whole parameter tree may name those paths.
+  spec written for the whole parameter tree may name those paths. A ``None``
+  entry (with ``is_spec_leaf`` keeping it) where the tree has no leaf is an
+  absent field, as in an Equinox module filtered to its arrays.
 
   Args:
     spec: a tree of entries whose paths name leaves (or subtrees) of ``tree``.
@@ -185,8 +187,11 @@ def spec_per_leaf(spec, tree, *, what: str, is_spec_leaf=None) -> list[Any]:
           f"{what} does not match the parameter tree: no entry for "
           f"{missing[:3]} ({len(entries)} entries for {len(paths)} leaves).")
   masked = _masked_paths(tree)
+  # A None entry where the tree has nothing is an absent field (an Equinox
+  # module filtered with eqx.filter keeps None there), not a misspelt path.
   unused = sorted("/".join(e) for e in set(entries) - used
-                  if not any(m[:len(e)] == e or e[:len(m)] == m for m in masked))
+                  if entries[e] is not None
+                  and not any(m[:len(e)] == e or e[:len(m)] == m for m in masked))
   if unused and paths:
     raise ValueError(
         f"{what} does not match the parameter tree: entries for paths not in "

@@ -167,3 +167,23 @@ def test_state_bytes_by_tier_attributes_other_optimizers_states_by_the_labels():
     sa.state_bytes_by_tier(state, param_labels=lambda t: gate_labels)
   assert sa.state_bytes_by_tier(optax.adamw(1e-3).init(renamed), param_labels=labels) == (
       sa.state_bytes_by_tier(optax.adamw(1e-3).init(renamed)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FilteredBlock:
+  """An Equinox-style module after eqx.filter(model, eqx.is_array): None where no array is."""
+  kernel: object
+  scale: object
+  activation: object
+
+
+def test_axes_declared_over_a_filtered_module_keep_its_absent_fields_absent():
+  params = FilteredBlock(kernel=jnp.ones((3, 4, 6)), scale=jnp.ones((3, 6)), activation=None)
+  # The obvious declaration: jax.tree.map over the parameters, None for vectors.
+  axes = jax.tree.map(lambda x: sa.MatrixAxes(1, 2) if x.ndim == 3 else None, params)
+  assert axes.activation is None and axes.scale is None
+  plans = sa.leaf_plans(params, matrix_axes=axes, param_labels="backbone")
+  assert [p.axes for p in plans] == [sa.MatrixAxes(1, 2), None]
+  state = sa.scale_by_skewadam(matrix_axes=axes, param_labels="backbone").init(params)
+  assert state.nu.scale.shape == (3, 6)  # a stacked vector: exact v
