@@ -23,6 +23,15 @@ axes, e.g. for ``{"layers": {"norm": {"scale": [L, D]}, "attn": {"wq": [L, D, H]
 
 and a layer axis in the middle (MaxText's ``param_scan_axis=1``:
 ``wi_0`` as ``[E, L, d, f]``) needs nothing special: ``MatrixAxes(2, 3)``.
+
+Either side may be several axes, as ``optax.contrib.MuonDimensionNumbers``
+allows: an attention kernel ``[D, H, K]`` (KerasHub, MaxText's
+``[D, L, H, Dh]`` query) is the ``D × (H·K)`` matrix ``MatrixAxes(0, (1, 2))``
+(``MatrixAxes(0, (2, 3))`` with the layer axis 1 a batch axis). Its
+statistics keep every axis (reduced ones as 1), so they are shaped and
+sharded like the parameter; ``sign`` bits and ``int8`` blocks run along the
+last column axis, and the orthogonal direction orthogonalises the flattened
+matrix.
 """
 
 from __future__ import annotations
@@ -35,18 +44,45 @@ from skewadam_jax import labels as labels_lib
 
 
 class MatrixAxes(NamedTuple):
-  """The two axes of a leaf that form its matrix (negative values count from the end).
+  """The axes of a leaf that form its matrix (negative values count from the end).
 
   Attributes:
-    rows: the axis of the rows (Muon's reduction axis, ``d_in`` of ``x @ W``).
-    cols: the axis of the columns (``d_out``); ``sign`` bits are packed and
-      ``int8`` blocks run along it.
+    rows: the axis of the rows (Muon's reduction axis, ``d_in`` of ``x @ W``),
+      or a tuple of axes flattened into the rows.
+    cols: the axis of the columns (``d_out``), or a tuple of axes; ``sign``
+      bits are packed and ``int8`` blocks run along the (last) column axis.
   """
-  rows: int = -2
-  cols: int = -1
+  rows: Union[int, tuple[int, ...]] = -2
+  cols: Union[int, tuple[int, ...]] = -1
+
+  @property
+  def row_axes(self) -> tuple[int, ...]:
+    """The row axes as a tuple."""
+    return _as_axes(self.rows)
+
+  @property
+  def col_axes(self) -> tuple[int, ...]:
+    """The column axes as a tuple."""
+    return _as_axes(self.cols)
+
+  @property
+  def pack_axis(self) -> int:
+    """The axis along which ``sign`` packs bits and ``int8`` forms blocks: the last column axis."""
+    return self.col_axes[-1]
+
+
+def _as_axes(a) -> tuple[int, ...]:
+  return (a,) if isinstance(a, int) else tuple(a)
 
 
 AxesSpec = Union[None, Any, Callable[[Any], Any]]
+
+
+def _is_axis_or_axes(a) -> bool:
+  if isinstance(a, int) and not isinstance(a, bool):
+    return True
+  return (isinstance(a, tuple) and len(a) > 0
+          and all(isinstance(b, int) and not isinstance(b, bool) for b in a))
 
 
 def _is_entry(x) -> bool:
@@ -54,8 +90,7 @@ def _is_entry(x) -> bool:
     return True
   if type(x).__name__ == "MuonDimensionNumbers":
     return True
-  return (isinstance(x, tuple) and len(x) == 2
-          and all(isinstance(a, int) and not isinstance(a, bool) for a in x))
+  return isinstance(x, tuple) and len(x) == 2 and all(_is_axis_or_axes(a) for a in x)
 
 
 def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
@@ -69,23 +104,28 @@ def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
     return None
   if type(entry).__name__ == "MuonDimensionNumbers":
     rows, cols = entry.reduction_axis, entry.output_axis
-    rows = rows[0] if isinstance(rows, (tuple, list)) and len(rows) == 1 else rows
-    cols = cols[0] if isinstance(cols, (tuple, list)) and len(cols) == 1 else cols
   elif isinstance(entry, tuple) and len(entry) == 2:
     rows, cols = entry
   else:
     raise ValueError(f"Matrix axes for {path!r} must be a MatrixAxes, a pair of "
-                     f"ints or None, got {entry!r}.")
+                     f"ints (or of tuples of ints) or None, got {entry!r}.")
   ndim = len(shape)
-  for axis in (rows, cols):
-    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
-      raise ValueError(f"Matrix axes {tuple((rows, cols))} for {path!r} are not "
-                       f"two axes of its shape {tuple(shape)}.")
-  rows, cols = rows % ndim, cols % ndim
-  if rows == cols:
-    raise ValueError(f"Matrix axes for {path!r} name axis {rows} twice; a "
-                     "matrix needs two distinct axes.")
-  return MatrixAxes(rows, cols)
+  sides = []
+  for side in (rows, cols):
+    side = tuple(side) if isinstance(side, (tuple, list)) else side
+    axes = _as_axes(side) if _is_axis_or_axes(side) else None
+    if axes is None or not all(-ndim <= a < ndim for a in axes):
+      raise ValueError(f"Matrix axes {(rows, cols)} for {path!r} are not "
+                       f"axes of its shape {tuple(shape)}.")
+    sides.append(tuple(sorted(a % ndim for a in axes)))
+  rows, cols = sides
+  named = rows + cols
+  if len(set(named)) != len(named):
+    twice = sorted({a for a in named if named.count(a) > 1})
+    raise ValueError(f"Matrix axes for {path!r} name axis {twice[0]} twice; a "
+                     "matrix needs distinct row and column axes.")
+  # One axis a side stays an int: the form every single-axis declaration had.
+  return MatrixAxes(rows[0] if len(rows) == 1 else rows, cols[0] if len(cols) == 1 else cols)
 
 
 def default_matrix_axes(tree):

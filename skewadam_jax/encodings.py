@@ -74,7 +74,7 @@ class MomentumEncoding:
   def bytes_per_param(self, shape: tuple[int, ...],
                       axes: Optional[MatrixAxes] = None) -> float:
     """Bytes of state per parameter for a leaf of ``shape``."""
-    if axes is None and len(shape) >= 2:
+    if axes is None and len(shape) >= 2:  # the default declaration
       axes = MatrixAxes(len(shape) - 2, len(shape) - 1)
     parts = jax.eval_shape(lambda: self.encode(jnp.zeros(shape, jnp.float32), axes))
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(parts))
@@ -151,7 +151,7 @@ class Int8BlockEncoding(MomentumEncoding):
     return jnp.concatenate([_explicit.gather_axis(p, axis) for p in pieces], axis=axis)
 
   def encode(self, m, axes):
-    axis, cols = axes.cols, m.shape[axes.cols]
+    axis, cols = axes.pack_axis, m.shape[axes.pack_axis]
     m = m.astype(jnp.float32)
     scale = self._block_absmax(m, axis, cols)
     safe = jnp.where(scale > 0, scale, 1.0)
@@ -160,7 +160,7 @@ class Int8BlockEncoding(MomentumEncoding):
 
   def decode(self, parts, axes):
     codes = parts["mu"]
-    axis, cols = axes.cols, codes.shape[axes.cols]
+    axis, cols = axes.pack_axis, codes.shape[axes.pack_axis]
     step = _explicit.like(self._per_element(parts["mu_scale"] / 127.0, axis, cols), codes)
     return codes.astype(jnp.float32) * step
 
@@ -220,10 +220,10 @@ class SignEncoding(MomentumEncoding):
 
   def encode(self, m, axes):
     row, col = factored.row_col_means(jnp.abs(m), axes)
-    return {"mu": self.pack(m < 0, axes.cols), "mu_row": row, "mu_col": col}
+    return {"mu": self.pack(m < 0, axes.pack_axis), "mu_row": row, "mu_col": col}
 
   def decode(self, parts, axes):
-    negative = self.unpack(parts["mu"], axes.cols, parts["mu_col"].shape[axes.cols])
+    negative = self.unpack(parts["mu"], axes.pack_axis, parts["mu_col"].shape[axes.pack_axis])
     magnitude = factored.rank_one(parts["mu_row"], parts["mu_col"], axes)
     return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 

@@ -45,7 +45,8 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
 
   Args:
     x: a real array with at least two dimensions.
-    axes: the two axes forming each matrix; the others are batch axes.
+    axes: the axes forming each matrix (a side may be several axes, which
+      are flattened); the others are batch axes.
     steps: Newton–Schulz iterations.
     coeffs: the iteration's ``(a, b, c)``.
     eps: added to the Frobenius norm, so a zero matrix stays zero.
@@ -60,7 +61,18 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
     >>> bool(jnp.all(jnp.abs(jnp.diag(q) - 1) < 0.35))
     True
   """
-  rows, cols = (a % x.ndim for a in axes)
+  axes = MatrixAxes(*axes)
+  rows = tuple(r % x.ndim for r in axes.row_axes)
+  cols = tuple(c % x.ndim for c in axes.col_axes)
+  if len(rows) > 1 or len(cols) > 1:  # several axes a side: the flattened matrix
+    moved = jnp.moveaxis(x, rows + cols, tuple(range(-len(rows) - len(cols), 0)))
+    batch = moved.shape[:x.ndim - len(rows) - len(cols)]
+    flat = moved.reshape(batch + (math.prod(x.shape[r] for r in rows),
+                                  math.prod(x.shape[c] for c in cols)))
+    out = newton_schulz(flat, MatrixAxes(), steps=steps, coeffs=coeffs, eps=eps)
+    return jnp.moveaxis(out.reshape(moved.shape), tuple(range(-len(rows) - len(cols), 0)),
+                        rows + cols)
+  rows, cols = rows[0], cols[0]
   a, b, c = coeffs
   m = jnp.moveaxis(x.astype(jnp.float32), (rows, cols), (-2, -1))
   wide = m.shape[-2] <= m.shape[-1]
@@ -77,5 +89,7 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
 
 def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
   """The factor that gives an orthogonal matrix over ``axes`` of ``shape`` the RMS ``rms``."""
-  ndim = len(shape)
-  return rms * math.sqrt(max(shape[axes.rows % ndim], shape[axes.cols % ndim]))
+  axes = MatrixAxes(*axes)
+  rows = math.prod(shape[a % len(shape)] for a in axes.row_axes)
+  cols = math.prod(shape[a % len(shape)] for a in axes.col_axes)
+  return rms * math.sqrt(max(rows, cols))

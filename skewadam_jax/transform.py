@@ -417,7 +417,8 @@ def _clip_rms(update, plan: LeafPlan, threshold):
   """Adafactor's update clipping over the matrix axes: ``u / max(1, RMS(u)/d)``."""
   if threshold is None or plan.axes is None:
     return update
-  rms = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(update)), axis=tuple(plan.axes), keepdims=True))
+  matrix = plan.axes.row_axes + plan.axes.col_axes
+  rms = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(update)), axis=matrix, keepdims=True))
   return update / jnp.maximum(1.0, rms / threshold)
 
 
@@ -512,13 +513,15 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
         g_s.shape, axes)
     return update.astype(g.dtype), new
 
-  rows, cols = (a % g.ndim for a in plan.axes)
-  batch = [a for a in range(g.ndim) if a not in (rows, cols)]
+  matrix = plan.axes.row_axes + plan.axes.col_axes
+  batch = [a for a in range(g.ndim) if a not in matrix]
   momentum = {n: parts[n] for n in names}
   if len(batch) < 2:
-    return step(g, momentum, axes_lib.MatrixAxes(rows, cols))
+    return step(g, momentum, plan.axes)
   outer = batch[0]
-  inner = axes_lib.MatrixAxes(*(a - (a > outer) for a in (rows, cols)))
+  shift = lambda side: (side - (side > outer) if isinstance(side, int)  # noqa: E731
+                        else tuple(a - (a > outer) for a in side))
+  inner = axes_lib.MatrixAxes(shift(plan.axes.rows), shift(plan.axes.cols))
   to_front = lambda x: jnp.moveaxis(x, outer, 0)
   update, new = jax.lax.map(lambda xs: step(*xs, inner),
                             (to_front(g), {n: to_front(x) for n, x in momentum.items()}))

@@ -102,7 +102,7 @@ def test_muon_dimension_numbers_and_callables_are_accepted():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"w": (0, 3)}, r"Matrix axes \(0, 3\) for 'w' are not two axes of its shape \(4, 3\)"),
+    ({"w": (0, 3)}, r"Matrix axes \(0, 3\) for 'w' are not axes of its shape \(4, 3\)"),
     ({"w": (1, -1)}, r"Matrix axes for 'w' name axis 1 twice"),
     ({"w": "rows"}, r"Matrix axes for 'w' must be a MatrixAxes"),
     ({"v": None}, r"matrix_axes does not match the parameter tree: no entry for \['w'\]"),
@@ -128,3 +128,60 @@ def test_maxtext_tree_puts_its_expert_banks_in_the_expert_tier():
   assert state.mu["MoeBlock_0"]["wi_0"].dtype == jnp.uint8     # sign bits
   with pytest.warns(UserWarning, match="found no expert and no router leaf"):
     sa.scale_by_skewadam().init(tree)
+
+
+# Several axes a side (issue 26, item 14): an attention kernel [QD, QH, QK] as the
+# QD x (QH·QK) matrix Muon's dimension numbers describe; every result must be the
+# 2-QD matrix's, reshaped back.
+QD, QH, QK = 6, 2, 4
+
+
+def test_several_axes_a_side_are_declared_as_muon_declares_them():
+  params = {"q": jnp.zeros((QD, 3, QH, QK))}
+  dims = {"q": MuonDimensionNumbers(reduction_axis=0, output_axis=(2, 3))}
+  assert axes_lib.resolve_matrix_axes(dims, params) == [sa.MatrixAxes(0, (2, 3))]
+  assert axes_lib.resolve_matrix_axes({"q": (0, (-2, -1))}, params) == [sa.MatrixAxes(0, (2, 3))]
+  with pytest.raises(ValueError, match="name axis 2 twice"):
+    axes_lib.resolve_matrix_axes({"q": ((0, 2), (2, 3))}, params)
+  with pytest.raises(ValueError, match="are not axes of its shape"):
+    axes_lib.resolve_matrix_axes({"q": (0, (2, 4))}, params)
+
+
+@pytest.mark.parametrize("tier", [sa.TierConfig("fp32", "factored"),
+                                  sa.TierConfig("bf16", "factored"),
+                                  sa.TierConfig("sign", "factored"),
+                                  sa.TierConfig("fp32", "factored", direction="orthogonal"),
+                                  sa.TierConfig("sign", "factored", direction="orthogonal")],
+                         ids=["fp32", "bf16", "sign", "orthogonal", "orthogonal-sign"])
+def test_a_multi_axis_matrix_steps_as_its_flattened_matrix(tier):
+  # [QD, L, QH, QK] with the layer axis 1 a batch axis, against L separate
+  # [QD, QH·QK] matrices stacked on a leading batch axis.
+  layers = 3
+  kernel = {"q": jnp.zeros((QD, layers, QH, QK))}
+  flat = {"q": jnp.zeros((layers, QD, QH * QK))}
+  to_flat = lambda x: jnp.moveaxis(x, 1, 0).reshape(layers, QD, QH * QK)  # noqa: E731
+  kw = dict(param_labels="backbone", backbone=tier)
+  tx = sa.scale_by_skewadam(matrix_axes={"q": sa.MatrixAxes(0, (2, 3))}, **kw)
+  ref = sa.scale_by_skewadam(matrix_axes={"q": sa.MatrixAxes(1, 2)}, **kw)
+  state, ref_state = tx.init(kernel), ref.init(flat)
+  for step in range(3):
+    g = jax.random.normal(jax.random.PRNGKey(step), (QD, layers, QH, QK))
+    u, state = tx.update({"q": g}, state)
+    want, ref_state = ref.update({"q": to_flat(g)}, ref_state)
+    np.testing.assert_allclose(to_flat(u["q"]), want["q"], rtol=2e-5, atol=1e-6)
+  if not tier.direction == "orthogonal":
+    assert state.nu_row["q"].shape == (QD, layers, 1, 1)   # shaped like the parameter
+    assert state.nu_col["q"].shape == (1, layers, QH, QK)
+  plans = sa.leaf_plans(kernel, matrix_axes={"q": sa.MatrixAxes(0, (2, 3))}, **kw)
+  assert plans[0].axes == sa.MatrixAxes(0, (2, 3))
+
+
+def test_int8_blocks_run_along_the_last_column_axis_of_a_multi_axis_matrix():
+  tier = sa.TierConfig("int8", "factored", int8_block_size=2)
+  tx = sa.scale_by_skewadam(param_labels="backbone", backbone=tier,
+                            matrix_axes={"q": sa.MatrixAxes(0, (1, 2))})
+  state = tx.init({"q": jnp.zeros((QD, QH, QK))})
+  assert state.mu_scale["q"].shape == (QD, QH, QK // 2)
+  g = jax.random.normal(jax.random.PRNGKey(0), (QD, QH, QK))
+  u, state = tx.update({"q": g}, state)
+  assert bool(jnp.all(jnp.isfinite(u["q"])))
