@@ -334,10 +334,24 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
       f"SkewAdam's {who} found no {' and no '.join(unmatched)} leaf among "
       f"{len(labels)} parameters (patterns {_as_tuple(patterns['expert']) + _as_tuple(patterns['router'])}); "
       f"every such leaf is in the backbone tier. Paths that may be meant: "
-      + "; ".join(f"{t}: {examples[t]}" for t in unmatched)
-      + f". Pass param_labels (a label_fn of {sorted(PATTERNS)}, a tree, or your own "
+      + "; ".join(f"{t}: {examples[t]}" for t in unmatched) + ". "
+      + _better_sets(paths, name)
+      + f"Pass param_labels (a label_fn of {sorted(PATTERNS)}, a tree, or your own "
       "patterns) if the tree names its experts or router differently; "
       "skewadam_jax.plan_table(params) shows every leaf's tier.", stacklevel=5)
+
+
+def _better_sets(paths: list[str], tried: str) -> str:
+  """The named pattern sets that find both experts and a router in ``paths``, for the warning."""
+  found = []
+  for other, patterns in PATTERNS.items():
+    if other in (tried, "hf_mixtral"):
+      continue
+    tiers = [label_path(p, **patterns) for p in paths]
+    if EXPERT in tiers and ROUTER in tiers:
+      found.append(f"label_fn({other!r}) finds {tiers.count(EXPERT)} expert and "
+                   f"{tiers.count(ROUTER)} router leaves")
+  return ("; ".join(found) + ". ") if found else ""
 
 
 def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list[str]:
