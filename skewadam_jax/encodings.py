@@ -22,7 +22,9 @@ Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
 
 * fp32: exact.
 * bf16: ``|x̃ − x| ≤ 2⁻⁸·|x|`` (round to nearest, 8 significant bits).
-* int8: ``|x̃ − x| ≤ absmax(block)/254`` (half a step of ``absmax/127``).
+* int8: ``|x̃ − x| ≤ absmax(block)/254`` (half a step of ``absmax/127``);
+  with ``int8_code="mulaw"``: ``|x̃ − x| ≤ 2.2 %·(|x| + absmax/255)`` (see
+  :class:`Int8BlockEncoding`).
 * sign: ``sign(x̃) = sign(x)`` wherever ``x ≠ 0``; each row and column of
   ``|x̃|`` has the same mean as in ``|x|``; exact when ``|x|`` is rank one
   (see :mod:`skewadam_jax.factored`).
@@ -99,16 +101,33 @@ class DenseEncoding(MomentumEncoding):
     return mu.astype(jnp.complex64 if jnp.iscomplexobj(mu) else jnp.float32)
 
 
+# μ of the μ-law int8 code: entries down to ~absmax/μ keep ~2 % relative error.
+MULAW_MU = 255.0
+INT8_CODES = ("linear", "mulaw")
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8BlockEncoding(MomentumEncoding):
   """int8 codes with one float32 absmax scale per block along the columns.
 
-  ``codes = round(127·m / absmax(block))``; blocks never straddle rows, so a
-  leaf's blocks stay with their expert and layer when the leaf is sharded.
+  ``code="linear"``: ``codes = round(127·m / absmax(block))``, so an entry
+  below ``absmax/254`` of its block decodes as 0 (beside one 1000x outlier,
+  ordinary entries lose their momentum). ``code="mulaw"``: the μ-law
+  companding of telephony (μ = 255), ``codes = round(127·sign(m)·ln(1 +
+  μ|m|/absmax) / ln(1 + μ))``: half a code step is a factor
+  ``(1 + μ)^(1/254) ≈ 1.022`` on ``1 + μ|m|/absmax``, so
+  ``|m̃ − m| ≤ 2.2 %·(|m| + absmax/μ)`` (about 2 % relative down to
+  ``absmax/μ``, against linear codes' ``absmax/254`` absolute), for one
+  ``log1p`` and one ``expm1`` an entry. Blocks never straddle rows, so a leaf's blocks stay with their
+  expert and layer when the leaf is sharded.
   """
   block_size: int = 256
-  name = "int8"
+  code: str = "linear"
   matrix_only = True
+
+  @property
+  def name(self):
+    return "int8" if self.code == "linear" else f"int8-{self.code}"
 
   def _num_blocks(self, cols: int) -> int:
     return -(-cols // self.block_size)
@@ -155,12 +174,20 @@ class Int8BlockEncoding(MomentumEncoding):
     m = m.astype(jnp.float32)
     scale = self._block_absmax(m, axis, cols)
     safe = jnp.where(scale > 0, scale, 1.0)
+    if self.code == "mulaw":
+      inverse = _explicit.like(self._per_element(MULAW_MU / safe, axis, cols), m)
+      level = 127.0 / math.log1p(MULAW_MU) * jnp.log1p(jnp.abs(m) * inverse)
+      return {"mu": (jnp.sign(m) * jnp.round(level)).astype(jnp.int8), "mu_scale": scale}
     step = _explicit.like(self._per_element(127.0 / safe, axis, cols), m)
     return {"mu": jnp.round(m * step).astype(jnp.int8), "mu_scale": scale}
 
   def decode(self, parts, axes):
     codes = parts["mu"]
     axis, cols = axes.pack_axis, codes.shape[axes.pack_axis]
+    if self.code == "mulaw":
+      scale = _explicit.like(self._per_element(parts["mu_scale"] / MULAW_MU, axis, cols), codes)
+      level = codes.astype(jnp.float32)
+      return jnp.sign(level) * jnp.expm1(jnp.abs(level) * (math.log1p(MULAW_MU) / 127.0)) * scale
     step = _explicit.like(self._per_element(parts["mu_scale"] / 127.0, axis, cols), codes)
     return codes.astype(jnp.float32) * step
 
@@ -228,12 +255,16 @@ class SignEncoding(MomentumEncoding):
     return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 
 
-def get_encoding(name: str, *, block_size: int = 256) -> MomentumEncoding | None:
+def get_encoding(name: str, *, block_size: int = 256,
+                 int8_code: str = "linear") -> MomentumEncoding | None:
   """The encoding called ``name`` (``None`` for ``"none"``).
 
   Raises:
-    ValueError: for an unknown name or a non-positive block size.
+    ValueError: for an unknown name, a non-positive block size or an unknown
+      int8 code.
   """
+  if int8_code not in INT8_CODES:
+    raise ValueError(f"Unknown int8_code {int8_code!r}; expected one of {INT8_CODES}.")
   if name == "fp32":
     return DenseEncoding(jnp.float32)
   if name == "bf16":
@@ -241,7 +272,7 @@ def get_encoding(name: str, *, block_size: int = 256) -> MomentumEncoding | None
   if name == "int8":
     if not isinstance(block_size, int) or block_size <= 0:
       raise ValueError(f"int8 block_size must be a positive int, got {block_size!r}.")
-    return Int8BlockEncoding(block_size)
+    return Int8BlockEncoding(block_size, int8_code)
   if name == "sign":
     return SignEncoding()
   if name == "none":

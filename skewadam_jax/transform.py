@@ -97,6 +97,9 @@ class TierConfig:
       (checked by :func:`scale_by_skewadam`). ``float16`` is refused: its
       range underflows ``(1 − b2)·g²``.
     int8_block_size: block length along the columns for ``"int8"``.
+    int8_code: ``"linear"`` (absmax/127 steps; what every measured int8 run
+      used) or ``"mulaw"`` (μ-law companding: small entries beside an outlier
+      keep their momentum; :class:`~skewadam_jax.encodings.Int8BlockEncoding`).
     direction: the update direction for the tier's declared matrices:
       ``"adam"`` (``m̂ / √v̂``) or ``"orthogonal"``: the Newton–Schulz
       orthogonal factor of the Nesterov momentum ``b1·m_t + (1 − b1)·g_t``
@@ -118,6 +121,7 @@ class TierConfig:
   nu_dtype: Any = jnp.float32
   int8_block_size: int = 256
   direction: str = "adam"
+  int8_code: str = "linear"
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -130,7 +134,8 @@ class TierConfig:
     # A NumPy integer (np.int64 from a config file) is stored as a Python int,
     # so equal configs compare and hash equal.
     object.__setattr__(self, "int8_block_size", int(self.int8_block_size))
-    encodings.get_encoding(self.momentum, block_size=self.int8_block_size)
+    encodings.get_encoding(self.momentum, block_size=self.int8_block_size,
+                           int8_code=self.int8_code)
     if self.momentum == "sign" and self.second_moment == "exact" and self.direction == "adam":
       raise ValueError(
           "momentum='sign' with second_moment='exact' has no bound on the update: the "
@@ -340,7 +345,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   plans = []
   for leaf, tier, axes, allow in zip(leaves, tiers, declared, allowed):
     config = configs[tier]
-    encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size)
+    encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size,
+                                      int8_code=config.int8_code)
     if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
       encoding = encodings.DenseEncoding(
           jnp.complex64 if _is_complex(leaf) else jnp.float32)
