@@ -7,7 +7,8 @@ parameter: the same resolution ``init`` and ``update`` make
 (:func:`~skewadam_jax.leaf_plans`), from shapes only (nothing is allocated, so
 ``jax.ShapeDtypeStruct`` trees of any size work). A misrouted expert bank (a
 ``backbone`` row with an ``[E, d, f]`` shape) or a stacked norm factored
-across layers is visible here before a long run.
+across layers is visible here before a long run; without ``matrix_axes``
+every row's axes are marked ``(guessed)`` (the last two of each leaf).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
     per_param = accounting.state_bytes_per_param(
         transform.scale_by_skewadam(**skewadam_kwargs), params)
   decay = _decayed(mask, params, skewadam_kwargs.get("matrix_axes"))
+  # Without a declaration the axes are a guess (the last two): say so on every row.
+  guessed = " (guessed)" if skewadam_kwargs.get("matrix_axes") is None else ""
   rows = []
   for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
     size = max(1, _size(leaf.shape))
@@ -54,7 +57,8 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
               f"{'factored' if plan.factored else 'exact'} {plan.nu_dtype.name}")
     rows.append({
         "path": path or "<root>", "shape": list(leaf.shape), "tier": plan.tier,
-        "matrix axes": "vector" if plan.axes is None else f"({plan.axes.rows}, {plan.axes.cols})",
+        "matrix axes": ("vector" if plan.axes is None
+                        else f"({plan.axes.rows}, {plan.axes.cols})") + guessed,
         "momentum": "none" if plan.encoding is None else plan.encoding.name,
         "second moment": second,
         "direction": "orthogonal" if plan.orthogonal else "adam",
@@ -89,10 +93,10 @@ def plan_table(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> 
     ...           "moe": {"router": jax.ShapeDtypeStruct((8, 4), jnp.float32),
     ...                   "experts": jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)}}
     >>> print(plan_table(params))  # doctest: +NORMALIZE_WHITESPACE
-    path         shape       tier      matrix axes  momentum  second moment     direction  decay  state B/param
-    embed        [64, 8]     backbone  (0, 1)       bf16      factored float32  adam       yes    2.562
-    moe/experts  [4, 8, 16]  expert    (1, 2)       sign      factored float32  adam       yes    1.625
-    moe/router   [8, 4]      router    (0, 1)       fp32      exact float32     adam       yes    8.0
+    path         shape       tier      matrix axes      momentum  second moment     direction  decay  state B/param
+    embed        [64, 8]     backbone  (0, 1) (guessed)  bf16      factored float32  adam       yes    2.562
+    moe/experts  [4, 8, 16]  expert    (1, 2) (guessed)  sign      factored float32  adam       yes    1.625
+    moe/router   [8, 4]      router    (0, 1) (guessed)  fp32      exact float32     adam       yes    8.0
   """
   rows = plan_rows(params, mask=mask, **skewadam_kwargs)
   cells = [list(COLUMNS)] + [[_cell(row[c]) for c in COLUMNS] for row in rows]

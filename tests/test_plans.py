@@ -35,6 +35,8 @@ def test_the_table_follows_the_mask_and_the_tiers_given():
   lines = table.splitlines()
   assert lines[0].split() == ["path", "shape", "tier", "matrix", "axes", "momentum", "second",
                               "moment", "direction", "decay", "state", "B/param"]
+  assert "guessed" not in table  # the axes were declared
+  assert "(2, 3) (guessed)" in sa.plan_table(PARAMS)  # the last two, not declared
   experts = next(line for line in lines if line.startswith("layers/moe/experts"))
   assert experts.split()[:10] == ["layers/moe/experts", "[2,", "4,", "8,", "16]", "expert",
                                   "(2,", "3)", "int8", "none"]
