@@ -831,6 +831,8 @@ class DecayScheduleState(NamedTuple):
 def add_decayed_weights_to_matrices(
     weight_decay: optax.ScalarOrSchedule = 0.0,
     matrix_axes: axes_lib.AxesSpec = None,
+    *,
+    mask: Any = MATRICES,
 ) -> optax.GradientTransformation:
   """``u + λ_t·p`` on the leaves declared matrices, ``u`` elsewhere.
 
@@ -843,6 +845,9 @@ def add_decayed_weights_to_matrices(
     weight_decay: ``λ``, a number or a schedule of the update count (as
       ``optax.add_decayed_weights``; then the state counts updates).
     matrix_axes: the declared matrix axes (:mod:`skewadam_jax.axes`).
+    mask: ``"matrices"`` (the leaves ``matrix_axes`` declares matrices),
+      ``None`` (every leaf), or a pytree of bools matched by path (or a
+      function returning one).
 
   Raises:
     ValueError: if ``update`` is called without ``params``.
@@ -869,10 +874,16 @@ def add_decayed_weights_to_matrices(
       state = DecayScheduleState(optax.safe_increment(state.count))
     else:
       rate = weight_decay
-    mask = matrices_only(updates, matrix_axes)
+    if isinstance(mask, str) and mask == MATRICES:
+      where = matrices_only(updates, matrix_axes)
+    else:
+      leaves, treedef = jax.tree.flatten(updates)
+      spec = mask(updates) if labels_lib.is_function(mask) else mask
+      where = treedef.unflatten([True] * len(leaves) if mask is None else [
+          bool(m) for m in labels_lib.spec_per_leaf(spec, updates, what="mask")])
     decayed = jax.tree.map(
         lambda u, p, m: (u + rate * p).astype(u.dtype) if m else u,
-        updates, params, mask)
+        updates, params, where)
     return decayed, state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -989,8 +1000,10 @@ def skewadam(
     if not (isinstance(mask, str) and mask == MATRICES):
       raise ValueError("Give the weight-decay mask as mask= or as weight_decay_mask=, not both.")
     mask = weight_decay_mask
-  if isinstance(mask, str) and mask == MATRICES:
-    decay = add_decayed_weights_to_matrices(weight_decay, matrix_axes)
+  if (isinstance(mask, str) and mask == MATRICES) or callable(weight_decay):
+    # A scheduled rate with any mask counts its own steps here: optax 0.2.6's
+    # add_decayed_weights never advances its schedule.
+    decay = add_decayed_weights_to_matrices(weight_decay, matrix_axes, mask=mask)
   elif isinstance(mask, str):
     raise ValueError(f"mask must be {MATRICES!r}, a pytree of bools, "
                      f"a callable or None, got {mask!r}.")
