@@ -47,6 +47,7 @@ from skewadam_jax.transform import DEFAULT_BACKBONE
 from skewadam_jax.transform import DEFAULT_EXPERT
 from skewadam_jax.transform import DEFAULT_ROUTER
 from skewadam_jax.transform import DIRECTIONS
+from skewadam_jax.transform import DecayScheduleState
 from skewadam_jax.transform import LeafPlan
 from skewadam_jax.transform import MATRICES
 from skewadam_jax.transform import ScaleBySkewAdamState
@@ -61,6 +62,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER", "DIRECTIONS",
+    "DecayScheduleState",
     "ENCODINGS", "EXPERT", "LeafPlan", "MATRICES", "MatrixAxes", "PATTERNS",
     "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",

@@ -27,7 +27,13 @@ Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
   :class:`Int8BlockEncoding`).
 * sign: ``sign(x̃) = sign(x)`` wherever ``x ≠ 0``; each row and column of
   ``|x̃|`` has the same mean as in ``|x|``; exact when ``|x|`` is rank one
-  (see :mod:`skewadam_jax.factored`).
+  (see :mod:`skewadam_jax.factored`). What it costs: the per-entry spread of
+  ``|m|`` is lost, so on a stationary noisy gradient the update's RMS is
+  about 0.58x that of fp32 momentum with the same factored ``v``
+  (``tests/test_numerics.py``), in effect about half the learning rate on
+  the tier that uses it; and an exact zero has no code (it decodes as
+  positive ``row·col/mean(row)``, so an entry whose gradient is always 0
+  drifts, unless its whole row or column is zero).
 
 ``sign`` and ``int8`` are *matrix* encodings: they run along the declared
 matrix axes (:mod:`skewadam_jax.axes`), and a leaf declared a vector stores

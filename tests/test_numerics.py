@@ -128,3 +128,26 @@ def test_bf16_momentum_warns_where_it_would_stall():
     sa.scale_by_skewadam(b1=0.99, backbone={"momentum": "fp32"})
   with pytest.raises(ValueError, match="clip_threshold must be > 0"):
     sa.scale_by_skewadam(clip_threshold=0.0)
+
+
+def test_the_sign_encodings_update_is_about_half_of_fp32_momentums():
+  # Documented (encodings.py, README "Momentum encodings"): the sign encoding
+  # keeps each row's and column's mean |m| but not the per-entry spread, so
+  # on a stationary noisy gradient the expert tier's update RMS is about half
+  # of fp32 momentum's (same factored v): half the learning rate, in effect.
+  key = jax.random.PRNGKey(0)
+  signal = 0.3 * jax.random.normal(key, (64, 96))
+  grads = [signal + jax.random.normal(jax.random.fold_in(key, t), (64, 96)) for t in range(150)]
+
+  def rms_of_updates(momentum):
+    tx = sa.scale_by_skewadam(param_labels="expert",
+                              expert=sa.TierConfig(momentum, "factored"))
+    state, out = tx.init(grads[0]), []
+    step = jax.jit(tx.update)
+    for g in grads:
+      u, state = step(g, state)
+      out.append(float(jnp.sqrt(jnp.mean(u * u))))
+    return np.asarray(out[50:])
+
+  ratio = float(np.mean(rms_of_updates("sign") / rms_of_updates("fp32")))
+  assert 0.4 <= ratio <= 0.65, ratio
