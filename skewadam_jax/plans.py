@@ -13,6 +13,7 @@ every row's axes are marked ``(guessed)`` (the last two of each leaf).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -26,16 +27,6 @@ COLUMNS = ("path", "shape", "tier", "matrix axes", "momentum", "second moment", 
            "decay", "state B/param")
 
 
-def _decayed(mask, params, matrix_axes) -> list[bool]:
-  leaves = jax.tree.leaves(params)
-  if isinstance(mask, str) and mask == transform.MATRICES:
-    return jax.tree.leaves(transform.matrices_only(params, matrix_axes))
-  if mask is None:
-    return [True] * len(leaves)
-  spec = mask(params) if labels_lib.is_function(mask) else mask
-  return [bool(m) for m in labels_lib.spec_per_leaf(spec, params, what="mask")]
-
-
 def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> list[dict]:
   """One dict per leaf with the :data:`COLUMNS` of :func:`plan_table`, in flattening order."""
   plans = transform.leaf_plans(params, warn=True, **{
@@ -47,12 +38,12 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
     warnings.simplefilter("ignore", UserWarning)
     per_param = accounting.state_bytes_per_param(
         transform.scale_by_skewadam(**skewadam_kwargs), params)
-  decay = _decayed(mask, params, skewadam_kwargs.get("matrix_axes"))
+  decay = transform.decayed_leaves(mask, params, skewadam_kwargs.get("matrix_axes"))
   # Without a declaration the axes are a guess (the last two): say so on every row.
   guessed = " (guessed)" if skewadam_kwargs.get("matrix_axes") is None else ""
   rows = []
   for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
-    size = max(1, _size(leaf.shape))
+    size = max(1, math.prod(leaf.shape))
     second = ("none" if plan.orthogonal else
               f"{'factored' if plan.factored else 'exact'} {plan.nu_dtype.name}")
     rows.append({
@@ -65,13 +56,6 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
         "decay": "yes" if decayed else "no",
         "state B/param": round(nbytes / size, 3)})
   return rows
-
-
-def _size(shape) -> int:
-  n = 1
-  for d in shape:
-    n *= int(d)
-  return n
 
 
 def plan_table(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> str:

@@ -456,16 +456,15 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
           default=lambda: _reductions(plan, fac_sq, m_sign, grouped=False))
     else:
       nu_means, sign_parts = _reductions(plan, fac_sq, m_sign, grouped=False)
+  wide = jnp.promote_types(jnp.float32, plan.nu_dtype)  # float64 stays float64
   if plan.factored:
     old_row, old_col = factored.squeeze(parts["nu_row"], parts["nu_col"], plan.axes)
     row = factored.ema(old_row, nu_means[0], b2)
     col = factored.ema(old_col, nu_means[1], b2)
     new["nu_row"] = jnp.expand_dims(row, plan.axes.cols)
     new["nu_col"] = jnp.expand_dims(col, plan.axes.rows)
-    wide = jnp.promote_types(jnp.float32, plan.nu_dtype)
     v = factored.rank_one_squeezed(row.astype(wide), col.astype(wide), plan.axes)
   else:
-    wide = jnp.promote_types(jnp.float32, plan.nu_dtype)
     g_wide = g32.astype(jnp.promote_types(g32.dtype, wide))
     # ((1 − b2)·g)·g for real g: the order of the first release, so runs repeat.
     weighted = ((1 - b2) * _square(g_wide) if jnp.iscomplexobj(g32)
@@ -689,7 +688,6 @@ def scale_by_skewadam(
       measured run used): no clipping; ``1.0`` is Adafactor's. It bounds the
       factored and compact forms, whose reconstructions can make single
       entries far larger than Adam's (6–23x at step 1).
-
     contain_nonfinite: ``True``: gradient entries that are not finite, or
       whose square could overflow a sum over their leaf
       (``|g| > √(max_float32 / size)``, which ``optax.apply_if_finite`` lets
@@ -802,6 +800,21 @@ def _tree_difference(paths: list[str], field) -> str:
           f"{only_state[:3]}")
 
 
+def decayed_leaves(mask, tree, matrix_axes: axes_lib.AxesSpec = None) -> list[bool]:
+  """Whether each leaf of ``tree`` is decayed, in flattening order.
+
+  ``mask``: ``"matrices"`` (the leaves ``matrix_axes`` declares matrices),
+  ``None`` (every leaf), or a pytree of bools matched by path (or a function
+  returning one).
+  """
+  if isinstance(mask, str) and mask == MATRICES:
+    return jax.tree.leaves(matrices_only(tree, matrix_axes))
+  if mask is None:
+    return [True] * len(jax.tree.leaves(tree))
+  spec = mask(tree) if labels_lib.is_function(mask) else mask
+  return [bool(m) for m in labels_lib.spec_per_leaf(spec, tree, what="mask")]
+
+
 def matrices_only(params, matrix_axes: axes_lib.AxesSpec = None):
   """Weight-decay mask: True for the leaves declared matrices.
 
@@ -874,13 +887,7 @@ def add_decayed_weights_to_matrices(
       state = DecayScheduleState(optax.safe_increment(state.count))
     else:
       rate = weight_decay
-    if isinstance(mask, str) and mask == MATRICES:
-      where = matrices_only(updates, matrix_axes)
-    else:
-      leaves, treedef = jax.tree.flatten(updates)
-      spec = mask(updates) if labels_lib.is_function(mask) else mask
-      where = treedef.unflatten([True] * len(leaves) if mask is None else [
-          bool(m) for m in labels_lib.spec_per_leaf(spec, updates, what="mask")])
+    where = jax.tree.structure(updates).unflatten(decayed_leaves(mask, updates, matrix_axes))
     decayed = jax.tree.map(
         lambda u, p, m: (u + rate * p).astype(u.dtype) if m else u,
         updates, params, where)

@@ -182,4 +182,5 @@ def test_ordinary_entries_beside_an_outlier_column_keep_their_momentum(code, low
   got = run(sa.TierConfig("int8", "factored", int8_block_size=256, int8_code=code))
   ordinary = jnp.arange(cols) != 7
   ratio = float(jnp.median((got / want)[:, ordinary]))
+  print(f"int8 {code}: ordinary entries' update x fp32 momentum's: {ratio:.2f}")  # pytest -s
   assert low <= ratio <= high, ratio
