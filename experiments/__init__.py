@@ -2,7 +2,7 @@
 
 A library plus thin commands. The library modules (``config``, ``steps``,
 ``optimizers``, ``training``, ``metrics_log``, ``checkpoint``, ``data``,
-``update_in_backward``, ``mesh``, ``distributed``, ``planner``, ``hlo``,
+``mesh``, ``distributed``, ``planner``, ``hlo``,
 ``accounting``) never import a
 command; the commands (``python -m experiments.NAME`` for ``train``,
 ``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,

@@ -130,7 +130,7 @@ class TrainConfig:
                                       "stochastically", structural=True)
   update_in_backward: bool = setting(
       False, "apply each layer's update inside the backward pass, so one layer's "
-      "gradients are alive at a time (experiments/update_in_backward.py)", structural=True)
+      "gradients are alive at a time (skewadam_jax.layerwise)", structural=True)
   clip_mode: str = setting("exact", "with --update-in-backward: 'exact' (a first pass "
                            "for the global norm) or 'stale' (the previous step's norm)",
                            structural=True, choices=("exact", "stale"))
@@ -217,8 +217,6 @@ class TrainConfig:
     if self.clip_mode not in ("exact", "stale"):
       raise ValueError(f"--clip-mode must be exact or stale, got {self.clip_mode!r}")
     if self.update_in_backward:
-      if self.mesh:
-        raise ValueError("--update-in-backward runs on one device for now; drop --mesh")
       if self.skip_nonfinite and self.clip_mode != "exact":
         raise ValueError("--skip-nonfinite with --update-in-backward needs --clip-mode "
                          "exact (in 'stale' mode a layer is updated before the later "
@@ -280,6 +278,28 @@ def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
 def from_args(args) -> TrainConfig:
   """The :class:`TrainConfig` of parsed :func:`add_flags` arguments."""
   return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
+def tier_fields(tiers: dict) -> dict:
+  """The :data:`TIER_FIELDS` values that give SkewAdam's ``tiers`` (the inverse of
+  :meth:`TrainConfig.skewadam_tiers`).
+
+  Raises:
+    ValueError: naming a tier setting no flag spells.
+
+  Example:
+    >>> tier_fields({"expert": {"momentum": "int8"}, "router": {"second_moment": "exact"}})
+    {'expert_momentum': 'int8', 'router_second_moment': 'exact'}
+  """
+  fields = {}
+  for tier, settings in tiers.items():
+    for key, value in dict(settings).items():
+      name = f"{tier}_{key}"
+      if name not in TIER_FIELDS:
+        raise ValueError(f"SkewAdam tier setting {tier}.{key} has no training flag; "
+                         f"the flags are {', '.join(TIER_FIELDS)}")
+      fields[name] = value
+  return fields
 
 
 def tiers_from_args(args) -> dict:

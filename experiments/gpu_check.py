@@ -11,7 +11,7 @@ the measured peak (``device.memory_stats()["peak_bytes_in_use"]``) and step
 times. Then it tries the same with AdamW (fp32 moments) and reports the
 out-of-memory error XLA raises. One JSON line per phase, on stdout.
 ``--update-in-backward [--clip-mode exact|stale]`` runs the step that updates
-each layer inside the backward pass (``experiments/update_in_backward.py``).
+each layer inside the backward pass (``skewadam_jax.layerwise``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   import models
   from experiments import planner
   from experiments import steps as steps_lib
-  from experiments import update_in_backward as uib
 
   device = jax.devices()[0]
   result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device),
@@ -72,14 +71,15 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
 
     _, graphdef, _, rest = planner.abstract_model(preset, jnp.bfloat16)
     params = init_params()
-    tx = planner.make_tx(optimizer, preset, update_in_backward=update_in_backward)
+    # The step the training command runs, as the planner compiles it.
+    run_config = planner.train_config(preset, optimizer, update_in_backward=update_in_backward,
+                                      clip_mode=clip_mode)
+    built = steps_lib.build_step(run_config, graphdef, rest, params,
+                                 steps_lib.abstract_axes(preset))
+    opt_state = jax.jit(built.init)(params)
+    train_step = built.train_step
     if update_in_backward:
-      opt_state = jax.jit(lambda p: uib.init(tx, p))(params)
-      train_step = uib.make_train_step(graphdef, rest, tx, clip_mode=clip_mode)
       result["clip_mode"] = clip_mode
-    else:
-      opt_state = jax.jit(tx.init)(params)
-      train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
     step = jax.jit(train_step, donate_argnums=(0, 1))
     key = jax.random.PRNGKey(0)
     times = []

@@ -18,7 +18,7 @@ For a preset and an optimizer it reports
   checks against a device of N GB instead (e.g. 24 for an L4 / RTX 4090).
 
 ``--update-in-backward [--clip-mode exact|stale]`` plans the step that applies
-each layer's update inside the backward pass (``experiments/update_in_backward.py``);
+each layer's update inside the backward pass (``skewadam_jax.layerwise``);
 ``grad_bytes`` is then one layer's gradients plus those outside the stack, the
 most alive at once. ``matmul_flops`` counts the step's matrix multiplies
 (scan bodies times their length; ``experiments.planner.matmul_flops``).
@@ -75,6 +75,9 @@ def _human(nbytes: int) -> str:
   return f"{nbytes} B"
 
 
+STEP_FIELDS = ("update_in_backward", "clip_mode", "skip_nonfinite", "stochastic_rounding")
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
                                    description=__doc__.split("\n\n")[0],
@@ -90,11 +93,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--margin-gb", type=float, default=2.0)
   parser.add_argument("--param-dtype", default="bfloat16")
   parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
-  config_lib.add_flags(parser, config_lib.TIER_FIELDS)
-  parser.add_argument("--update-in-backward", action="store_true",
-                      help="the step that updates each layer inside the backward pass")
-  parser.add_argument("--clip-mode", default="exact", help="with --update-in-backward: "
-                      "exact | stale (experiments/update_in_backward.py)")
+  # The settings that change the step, with the training command's flags.
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS)
   parser.add_argument("--device-memory-gb", type=float, default=None,
                       help="check the fit against a device of this many GB (default: "
                       "the target's memory)")
@@ -134,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   skewadam_tiers=config_lib.tiers_from_args(args),
                   param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
                   update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
+                  skip_nonfinite=args.skip_nonfinite,
+                  stochastic_rounding=args.stochastic_rounding,
                   device_memory_gb=args.device_memory_gb, devices=args.devices,
                   mesh=args.mesh, fsdp=args.fsdp, moe_impl=args.moe_impl,
                   progress=lambda message: print(message, file=sys.stderr, flush=True))

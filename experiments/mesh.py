@@ -217,11 +217,15 @@ class TrainShardings:
 
 
 def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
-                    fsdp: bool = False, expert_parallel: bool = False) -> TrainShardings:
+                    fsdp: bool = False, expert_parallel: bool = False,
+                    state_shardings: Callable | None = None) -> TrainShardings:
   """All the train step's shardings for optimizer ``tx`` (nothing allocated).
 
   ``axes`` and ``fsdp`` as in :func:`param_shardings`; ``expert_parallel``
-  as in :func:`batch_sharding`.
+  as in :func:`batch_sharding`. ``state_shardings(params, param_shardings)``
+  gives the optimizer state's (default :func:`skewadam_jax.state_shardings`
+  of ``tx``; a step with its own state layout, such as the layerwise step,
+  passes its own: ``experiments.steps.TrainStep.state_shardings``).
 
   Example:
     >>> import optax
@@ -234,7 +238,8 @@ def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
   shardings = param_shardings(params, mesh, axes=axes, fsdp=fsdp)
   return TrainShardings(
       mesh=mesh, params=shardings,
-      opt_state=skewadam_jax.state_shardings(tx, params, shardings),
+      opt_state=(state_shardings(params, shardings) if state_shardings is not None
+                 else skewadam_jax.state_shardings(tx, params, shardings)),
       batch=batch_sharding(mesh, expert_parallel=expert_parallel),
       replicated=NamedSharding(mesh, P()))
 
@@ -312,6 +317,8 @@ def batch_from_rows(read_rows: Callable[[slice], tuple[np.ndarray, np.ndarray]],
 def sharded_init(tx, shardings: TrainShardings) -> Callable:
   """``tx.init`` compiled to create each device's shards of the state directly.
 
+  ``tx`` is an optax transformation or any ``init(params)`` function.
+
   Example:
     >>> import optax
     >>> mesh = make_mesh(devices=jax.devices()[:1])
@@ -321,7 +328,7 @@ def sharded_init(tx, shardings: TrainShardings) -> Callable:
     >>> state[0].mu["w"].sharding == s.opt_state[0].mu["w"]
     True
   """
-  return jax.jit(tx.init, in_shardings=(shardings.params,),
+  return jax.jit(getattr(tx, "init", tx), in_shardings=(shardings.params,),
                  out_shardings=shardings.opt_state)
 
 
@@ -390,24 +397,23 @@ class SpmdSteps(NamedTuple):
   eval_step: Callable
 
 
-def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
-               eval_step: Callable | None = None, *, axes: Mapping[str, tuple],
+def spmd_steps(mesh: Mesh, step, params, *, axes: Mapping[str, tuple],
                fsdp: bool = False, expert_parallel: bool = False) -> SpmdSteps:
   """Shardings and compiled steps of one run on ``mesh``.
 
   Args:
     mesh: from :func:`make_mesh`.
-    tx: the optimizer.
+    step: the run's :class:`experiments.steps.TrainStep` (its optimizer, train
+      and eval steps, state initialiser and state shardings).
     params: the parameters (or ``ShapeDtypeStruct`` s).
-    train_step, eval_step: as returned by ``experiments.steps.make_step_fns``.
     axes, fsdp: see :func:`param_shardings`.
     expert_parallel: the model's ``moe_impl`` is ``'expert_parallel'``: the
       batch is split over ``data`` and ``expert`` (:func:`batch_sharding`).
   """
-  s = train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp,
-                      expert_parallel=expert_parallel)
-  init_state = sharded_init(tx, s)
-  step = sharded_train_step(train_step, s)
+  s = train_shardings(mesh, step.tx, params, axes=axes, fsdp=fsdp,
+                      expert_parallel=expert_parallel, state_shardings=step.state_shardings)
+  init_state = sharded_init(step.init, s)
+  compiled_step = sharded_train_step(step.train_step, s)
 
   def init(params):
     params = put(jax.device_get(params), s.params)  # fresh buffers: donatable
@@ -415,12 +421,12 @@ def spmd_steps(mesh: Mesh, tx, params, train_step: Callable,
 
   def placed_train_step(params, opt_state, inputs, targets, **kwargs):
     replicated = jax.tree.map(lambda _: s.replicated, kwargs)
-    return step(*put((params, opt_state, inputs, targets, kwargs),
+    return compiled_step(*put((params, opt_state, inputs, targets, kwargs),
                      (s.params, s.opt_state, s.batch, s.batch, replicated)))
 
   placed_eval_step = None
-  if eval_step is not None:
-    evaluate = sharded_eval_step(eval_step, s)
+  if step.eval_step is not None:
+    evaluate = sharded_eval_step(step.eval_step, s)
     placed_eval_step = lambda *args: evaluate(*put(args, (s.params, s.batch, s.batch)))
   return SpmdSteps(s, init, placed_train_step, placed_eval_step)
 

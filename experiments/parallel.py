@@ -29,7 +29,7 @@ import skewadam_jax
 from experiments import distributed
 from experiments import optimizers
 from experiments.mesh import make_mesh, parse_mesh, spmd_steps, device_state_bytes_by_tier
-from experiments.steps import make_step_fns
+from experiments.steps import standard_step
 
 
 # --------------------------------------------------------------------------
@@ -53,12 +53,11 @@ def _run(args) -> dict:
   axes = models.logical_axes(params)
   params = nnx.as_pure(params)
   tx = optimizers.make_optimizer(args.optimizer, learning_rate=args.lr, axes=axes)
-  train_step, _ = make_step_fns(graphdef, rest, tx)
   batches = [synthetic_batch(s, args.batch_size, seq_len, config.vocab_size, args.seed)
              for s in range(args.steps)]
 
   mesh = make_mesh(**parse_mesh(args.mesh))
-  spmd = spmd_steps(mesh, tx, params, train_step, axes=axes, fsdp=args.fsdp)
+  spmd = spmd_steps(mesh, standard_step(graphdef, rest, tx), params, axes=axes, fsdp=args.fsdp)
   p, state = spmd.init(params)
   losses = []
   for inputs, targets in batches:

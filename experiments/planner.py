@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import math
 import os
@@ -52,11 +53,11 @@ import models
 import skewadam_jax
 from experiments import startup
 import experiments
+from experiments import config as config_lib
 from experiments import hlo
 from experiments import mesh as mesh_lib
 from experiments import optimizers
 from experiments import steps as steps_lib
-from experiments import update_in_backward as uib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"
 TARGETS = {"a100-40gb": "a100_sxm_40gb.txtpb", "h100-80gb": "h100_sxm.txtpb", "cpu": None}
@@ -329,66 +330,44 @@ def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
   return steps_lib.abstract_model(preset, param_dtype, **overrides)
 
 
+def train_config(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
+                 param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
+                 clip_mode: str = "exact", skip_nonfinite: int = 0,
+                 stochastic_rounding: bool = False,
+                 moe_impl: str | None = None) -> config_lib.TrainConfig:
+  """The training command's :class:`~experiments.config.TrainConfig` for these settings.
+
+  The planner plans the step this configuration's ``train`` runs
+  (:func:`experiments.steps.build_step`); the schedule's values do not change
+  memory, so the command's default schedule stands.
+  """
+  config = config_lib.TrainConfig(
+      preset=preset, optimizer=optimizer, param_dtype=jnp.dtype(param_dtype).name,
+      update_in_backward=update_in_backward, clip_mode=clip_mode,
+      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding,
+      moe_impl=moe_impl, **config_lib.tier_fields(skewadam_tiers or {}))
+  config.validate()
+  return config
+
+
 def make_tx(optimizer: str, preset: str, skewadam_tiers: dict | None = None, *,
             update_in_backward: bool = False):
-  """The training command's optimizer for ``preset`` (schedule values do not change memory).
-
-  With ``update_in_backward``: the per-slice optimizer of that step (built for
-  :func:`~experiments.update_in_backward.slice_axes`, clipping done by the step).
-  """
-  axes = steps_lib.abstract_axes(preset)
-  if update_in_backward:
-    axes = uib.slice_axes(axes)
-  return optimizers.make_optimizer(
-      optimizer, learning_rate=optimizers.lr_schedule(1e-3, 1000, 100), axes=axes,
-      skewadam_tiers=skewadam_tiers, clip_norm=0 if update_in_backward else 1.0)
+  """The training command's optimizer for ``preset`` (:func:`experiments.steps.make_tx`)."""
+  config = train_config(preset, optimizer, skewadam_tiers=skewadam_tiers,
+                        update_in_backward=update_in_backward)
+  return steps_lib.make_tx(config, steps_lib.abstract_axes(preset))
 
 
-def abstract_train_step(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
-                        param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
-                        clip_mode: str = "exact", **overrides):
-  """(train step, abstract params, abstract optimizer state) as the training command builds them."""
-  train_step, params, opt_state, _ = _abstract_step_and_tx(
-      preset, optimizer, skewadam_tiers=skewadam_tiers, param_dtype=param_dtype,
-      update_in_backward=update_in_backward, clip_mode=clip_mode, **overrides)
-  return train_step, params, opt_state
-
-
-def _abstract_step_and_tx(preset, optimizer, *, skewadam_tiers, param_dtype,
-                          update_in_backward, clip_mode, **overrides):
-  _, graphdef, params, rest = abstract_model(preset, param_dtype, **overrides)
-  tx = make_tx(optimizer, preset, skewadam_tiers, update_in_backward=update_in_backward)
-  if update_in_backward:
-    train_step = uib.make_train_step(graphdef, rest, tx, clip_norm=1.0, clip_mode=clip_mode)
-    return train_step, params, jax.eval_shape(lambda p: uib.init(tx, p), params), tx
-  train_step, _ = steps_lib.make_step_fns(graphdef, rest, tx)
-  return train_step, params, jax.eval_shape(tx.init, params), tx
+def abstract_train_step(preset: str, optimizer: str, **settings):
+  """(train step, abstract params, abstract optimizer state) as the training command builds
+  them (``settings``: :func:`train_config`'s)."""
+  step, params, opt_state = steps_lib.abstract_step(train_config(preset, optimizer, **settings))
+  return step.train_step, params, opt_state
 
 
 def with_sharding(tree, sharding):
   """``tree``'s shapes and dtypes as ``ShapeDtypeStruct``s placed with ``sharding``."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
-def step_shardings(mesh, preset: str, tx, params, *, update_in_backward: bool = False,
-                   fsdp: bool = False, expert_parallel: bool = False) -> mesh_lib.TrainShardings:
-  """The train step's shardings on ``mesh``, as the training command lays them out.
-
-  The standard step's are :func:`experiments.mesh.train_shardings`'. The
-  update-in-backward step keeps the parameters' and gives its stacked state
-  :func:`experiments.update_in_backward.state_shardings`.
-  """
-  axes = steps_lib.abstract_axes(preset)
-  if not update_in_backward:
-    return mesh_lib.train_shardings(mesh, tx, params, axes=axes, fsdp=fsdp,
-                                    expert_parallel=expert_parallel)
-  shardings = mesh_lib.param_shardings(params, mesh, axes=axes, fsdp=fsdp)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return mesh_lib.TrainShardings(
-      mesh=mesh, params=shardings,
-      opt_state=uib.state_shardings(tx, params, shardings, replicated),
-      batch=mesh_lib.batch_sharding(mesh, expert_parallel=expert_parallel),
-      replicated=replicated)
 
 
 def batch_shards(mesh: Mapping[str, int], expert_parallel: bool) -> int:
@@ -413,71 +392,85 @@ def _analysis(compiled) -> dict:
   return xla
 
 
-def compile_step(preset: str, optimizer: str, *, batch: int, seq: int,
-                 target: str = "a100-40gb", skewadam_tiers: dict | None = None,
-                 param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
-                 clip_mode: str = "exact", devices: int | None = None,
-                 mesh: dict | None = None, fsdp: bool = False, **overrides) -> dict:
-  """XLA's memory analysis of the donated train step, compiled for ``target``, and
-  its :func:`matmul_flops`.
+def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
+                 target: str = "a100-40gb", devices: int | None = None,
+                 mesh: dict | None = None, fsdp: bool = False) -> dict:
+  """XLA's memory analysis of the donated train step of ``config``'s run, compiled for
+  ``target``, and its :func:`matmul_flops`.
 
+  The step is :func:`experiments.steps.build_step`'s: the one ``train`` runs.
   With ``devices``: compiled for that many devices of ``target`` on a
   ``mesh`` (``{"data": a, "expert": b}``, default :func:`default_mesh_shape`)
-  with the training command's shardings (:func:`step_shardings`; ``batch`` is
-  the global batch, split over ``data``); the analysis is then one device's
-  and the result adds ``collective_bytes`` (:func:`experiments.hlo.collective_bytes`,
-  layer loops of unknown trip count taken as the preset's layer count). A
-  TPU target always compiles this way (one chip by default).
+  with the training command's shardings (``batch`` is the global batch, split
+  over ``data``); the analysis is then one device's and the result adds
+  ``collective_bytes`` (:func:`experiments.hlo.collective_bytes`, layer loops
+  of unknown trip count taken as the preset's layer count). A TPU target
+  always compiles this way (one chip by default).
   """
-  train_step, params, opt_state, tx = _abstract_step_and_tx(
-      preset, optimizer, skewadam_tiers=skewadam_tiers, param_dtype=param_dtype,
-      update_in_backward=update_in_backward, clip_mode=clip_mode, **overrides)
+  step, params, opt_state = steps_lib.abstract_step(config)
+  model_config = config.model_config()
+  train_step = step.train_step
   if devices is None and target in TPU_TARGETS:
     devices = 1
   if devices is None:
     sharding, warning = target_sharding(target)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
     args = (with_sharding(params, sharding), with_sharding(opt_state, sharding), tokens, tokens)
+    kwargs = _step_kwargs(config)
     # XLA warns when rematerialisation cannot reach its own memory target; the
     # report says whether the step fits, so those lines are not passed on.
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
-      compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args).compile()
-    return {"xla": _analysis(compiled), "matmul_flops": matmul_flops(train_step, *args),
-            "device_matmul_flops": hlo.device_matmul_flops(
-                compiled.as_text(), models.get_preset(preset, **overrides).num_layers),
-            "warning": warning}
+      compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args, **kwargs).compile()
+    return {"xla": _analysis(compiled),
+            "matmul_flops": matmul_flops(functools.partial(train_step, **kwargs), *args),
+            "device_matmul_flops": hlo.device_matmul_flops(compiled.as_text(),
+                                                           model_config.num_layers),
+            "warning": warning, "fingerprint": _fingerprint(compiled)}
 
-  config = models.get_preset(preset, **overrides)
-  mesh = mesh or default_mesh_shape(devices, config.num_experts)
-  expert_parallel = config.moe_impl == "expert_parallel"
+  mesh = mesh or default_mesh_shape(devices, model_config.num_experts)
+  expert_parallel = model_config.moe_impl == "expert_parallel"
   if batch % batch_shards(mesh, expert_parallel):
     raise ValueError(f"--batch {batch} does not split over the mesh's "
                      f"{_batch_shards_text(mesh, expert_parallel)}")
   device_list, warning = target_devices(target, devices)
   device_mesh = mesh_lib.make_mesh(mesh["data"], mesh["expert"], devices=device_list)
-  shardings = step_shardings(device_mesh, preset, tx, params,
-                             update_in_backward=update_in_backward, fsdp=fsdp,
-                             expert_parallel=expert_parallel)
+  shardings = mesh_lib.train_shardings(
+      device_mesh, step.tx, params, axes=steps_lib.abstract_axes(config.preset), fsdp=fsdp,
+      expert_parallel=expert_parallel, state_shardings=step.state_shardings)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  kwargs = _step_kwargs(config)
+  flops = matmul_flops(functools.partial(train_step, **kwargs), params, opt_state, tokens, tokens)
   try:
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
       compiled = mesh_lib.sharded_train_step(train_step, shardings).lower(
-          params, opt_state, tokens, tokens, {}).compile()
+          params, opt_state, tokens, tokens, kwargs).compile()
   except jax.errors.JaxRuntimeError as err:
     # XLA:TPU still refuses a single buffer larger than the chip's memory.
     if target not in TPU_TARGETS or "RESOURCE_EXHAUSTED" not in str(err):
       raise
     return {"xla": None, "out_of_memory": str(err).splitlines()[0][:300],
-            "matmul_flops": matmul_flops(train_step, params, opt_state, tokens, tokens),
-            "device_matmul_flops": None, "collectives": None, "warning": warning}
+            "matmul_flops": flops, "device_matmul_flops": None, "collectives": None,
+            "warning": warning, "fingerprint": None}
   text = compiled.as_text()
-  return {"xla": _analysis(compiled),
-          "matmul_flops": matmul_flops(train_step, params, opt_state, tokens, tokens),
-          "device_matmul_flops": hlo.device_matmul_flops(text, config.num_layers),
-          "collectives": hlo.collective_bytes(text, default_trip_count=config.num_layers),
-          "warning": warning,
+  return {"xla": _analysis(compiled), "matmul_flops": flops,
+          "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
+          "collectives": hlo.collective_bytes(text, default_trip_count=model_config.num_layers),
+          "warning": warning, "fingerprint": _fingerprint(compiled),
           "per_device_param_bytes": _shard_bytes(params, shardings.params),
           "per_device_opt_state_bytes": _shard_bytes(opt_state, shardings.opt_state)}
+
+
+def _step_kwargs(config) -> dict:
+  """The train step's keyword arguments a run passes: the stochastic-rounding key."""
+  if not config.stochastic_rounding:
+    return {}
+  return {"key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype)}
+
+
+def _fingerprint(compiled) -> str:
+  """A hash of the compiled step's optimised HLO, with its module name and ids left out."""
+  text = re.sub(r"^HloModule \S+", "HloModule", compiled.as_text(), count=1, flags=re.M)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _shard_bytes(tree, shardings) -> int:
@@ -597,6 +590,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
          seq: int | None = None, margin_gb: float = 2.0, skewadam_tiers: dict | None = None,
          param_dtype: Any = jnp.bfloat16, search_batch: bool = True,
          update_in_backward: bool = False, clip_mode: str = "exact",
+         skip_nonfinite: int = 0, stochastic_rounding: bool = False,
          device_memory_gb: float | None = None, devices: int | None = None,
          mesh: str | None = None, fsdp: bool | None = None, moe_impl: str | None = None,
          progress=None) -> dict:
@@ -608,12 +602,12 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   ``None``: :func:`default_layout`'s) and ``fsdp`` (``None``: the same): plan the step sharded
   over that many devices (:func:`compile_step`); ``batch`` and the largest
   batch that fits are then global, searched over multiples of the ``data``
-  size. ``progress(message)``, if given, is told about each compile.
+  size. ``progress(message)``, if given, is told about each compile. The
+  step is the one ``train`` runs with the same settings (:func:`train_config`,
+  :func:`experiments.steps.build_step`).
   """
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")
-  if clip_mode not in uib.CLIP_MODES:
-    raise ValueError(f"--clip-mode must be one of {', '.join(uib.CLIP_MODES)}, got {clip_mode!r}")
   if device_memory_gb is not None and not device_memory_gb > 0:
     raise ValueError(f"--device-memory-gb must be > 0, got {device_memory_gb}")
   _check_target(target)
@@ -621,8 +615,11 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     raise ValueError(f"--devices must be >= 1, got {devices}")
   if devices is None and (mesh or fsdp):
     raise ValueError("--mesh and --fsdp need --devices")
-  overrides = {"moe_impl": moe_impl} if moe_impl else {}
-  config, _, params, _ = abstract_model(preset, param_dtype, **overrides)
+  run_config = train_config(preset, optimizer, skewadam_tiers=skewadam_tiers,
+                            param_dtype=param_dtype, update_in_backward=update_in_backward,
+                            clip_mode=clip_mode, skip_nonfinite=skip_nonfinite,
+                            stochastic_rounding=stochastic_rounding, moe_impl=moe_impl)
+  config = run_config.model_config()
   if devices is None and target in TPU_TARGETS:
     devices = 1
   if target in TPU_TARGETS:
@@ -645,28 +642,20 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:
     raise ValueError(f"--seq must be in [1, {config.max_seq_len}] for {preset}, got {seq}")
-  _, _, opt_state = abstract_train_step(preset, optimizer, skewadam_tiers=skewadam_tiers,
-                                        param_dtype=param_dtype,
-                                        update_in_backward=update_in_backward)
+  step, params, opt_state = steps_lib.abstract_step(run_config)
   state_by_tier = skewadam_jax.state_bytes_by_tier(opt_state)
   param_bytes = skewadam_jax.tree_bytes(params)
-  if update_in_backward:  # one layer's slice and the parameters outside the stack
-    layer_part, outer_part = uib.split_layers(params)
-    num_layers = jax.tree.leaves(layer_part)[0].shape[0]
-    grad_bytes = (skewadam_jax.tree_bytes(layer_part) // num_layers
-                  + skewadam_jax.tree_bytes(outer_part))
+  if step.layerwise is not None:  # one layer's slice and the parameters outside the stack
+    grad_bytes = skewadam_jax.tree_bytes(step.layerwise.per_layer_params(params))
   else:
     grad_bytes = param_bytes
-  step_options = dict(seq=seq, target=target, skewadam_tiers=skewadam_tiers,
-                      param_dtype=param_dtype, update_in_backward=update_in_backward,
-                      clip_mode=clip_mode, devices=devices, mesh=mesh_sizes, fsdp=fsdp,
-                      **overrides)
+  step_options = dict(seq=seq, target=target, devices=devices, mesh=mesh_sizes, fsdp=fsdp)
   where = target if devices is None else f"{devices} x {target}"
 
   def compile_at(b):
     if progress:
       progress(f"compiling the train step at batch {b} x {seq} for {where}")
-    return compile_step(preset, optimizer, batch=b, **step_options)
+    return compile_step(run_config, batch=b, **step_options)
 
   compiled = compile_at(batch)
   device_bytes = (int(device_memory_gb * GB) if device_memory_gb is not None
@@ -683,6 +672,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "param_dtype": jnp.dtype(param_dtype).name,
       "update_in_backward": update_in_backward,
       "clip_mode": clip_mode if update_in_backward else None,
+      "skip_nonfinite": skip_nonfinite, "stochastic_rounding": stochastic_rounding,
+      "step_fingerprint": compiled.get("fingerprint"),
       "devices": devices or 1, "mesh": mesh_sizes, "fsdp": fsdp if devices else None,
       "layout": layout,
       "moe_impl": config.moe_impl,

@@ -1,14 +1,23 @@
-"""The train and eval step functions of a split NNX model, and the abstract model.
+"""The step a run runs: built once from its :class:`~experiments.config.TrainConfig`.
 
-A library module: the training command, the SPMD layout, the memory planner
-and the GPU check all compile exactly these functions; the planners and the
-per-parameter plan read the model's shapes and declared axes from
-:func:`abstract_model` and :func:`abstract_axes` without allocating.
+A library module. :func:`build_step` is the one place that turns a run's
+configuration into its optimizer, its train and eval steps, its state's
+initialiser and the state's shardings: the training command, the SPMD
+layout, the memory planner, the GPU check, the multi-process run and the
+bench all take their step from it, so the planner plans exactly the step
+``train`` runs (``--skip-nonfinite``, stochastic rounding and
+``--update-in-backward`` included). The standard step is
+:func:`make_step_fns`; the layerwise one is the library's
+:func:`skewadam_jax.layerwise.layerwise_step` through the model's adapter
+(:mod:`models.layerwise`). The planners and the per-parameter plan read the
+model's shapes and declared axes from :func:`abstract_model` and
+:func:`abstract_axes` without allocating.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +26,120 @@ from flax import nnx
 
 import models
 import skewadam_jax
+from experiments import optimizers
+from models import layerwise as model_layerwise
+from skewadam_jax import layerwise as layerwise_lib
+
+
+class TrainStep(NamedTuple):
+  """A run's step functions, from :func:`build_step` (none of them jitted).
+
+  Attributes:
+    tx: the optimizer as the step applies it (with ``--update-in-backward``
+      the per-layer one; the step clips and skips itself).
+    train_step: ``(params, opt_state, inputs, targets, key=None,
+      grad_scale=None) -> (params, opt_state, metrics)``.
+    eval_step: ``(params, inputs, targets) -> (sum of token cross-entropies,
+      token count)``.
+    init: ``params -> opt_state``, the state ``train_step`` takes.
+    state_shardings: ``(params, param_shardings) -> opt_state`` shardings.
+    layerwise: the library's :class:`~skewadam_jax.layerwise.LayerwiseStep`
+      with ``--update-in-backward``, else ``None``.
+  """
+  tx: optax.GradientTransformation
+  train_step: Callable
+  eval_step: Callable
+  init: Callable
+  state_shardings: Callable
+  layerwise: Any
+
+
+def learning_rate_schedule(config):
+  """The run's schedule: warmup to ``--lr`` (or the optimizer's default), then ``--schedule``."""
+  lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
+  return optimizers.lr_schedule(lr, config.steps, config.warmup_steps, kind=config.schedule,
+                                decay_fraction=config.decay_fraction)
+
+
+def make_tx(config, axes, schedule=None) -> optax.GradientTransformation:
+  """The optimizer exactly as the run applies it.
+
+  The standard step: the optimizer with its global-norm clipping, wrapped in
+  ``optax.apply_if_finite`` for ``--skip-nonfinite``. With
+  ``--update-in-backward``: the per-layer optimizer (built for
+  :func:`models.layerwise.slice_axes`; the step clips and skips itself).
+  ``schedule`` defaults to :func:`learning_rate_schedule`'s.
+  """
+  schedule = learning_rate_schedule(config) if schedule is None else schedule
+  settings = dict(learning_rate=schedule, weight_decay=config.weight_decay,
+                  skewadam_tiers=config.skewadam_tiers(), b1=config.b1)
+  if config.update_in_backward:
+    return optimizers.make_optimizer(config.optimizer, axes=model_layerwise.slice_axes(axes),
+                                     clip_norm=0, **settings)
+  tx = optimizers.make_optimizer(config.optimizer, axes=axes, clip_norm=config.clip_norm,
+                                 **settings)
+  if config.skip_nonfinite:
+    # Outermost, so a skipped step leaves every inner state untouched
+    # (moments, step count, schedule): as if the batch had not been drawn.
+    # optax applies the (K+1)-th bad update; the loop stops at the K-th.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=config.skip_nonfinite)
+  return tx
+
+
+def standard_step(graphdef, rest, tx, *, stochastic_rounding: bool = False) -> TrainStep:
+  """The standard step (:func:`make_step_fns`) of ``tx`` as a :class:`TrainStep`."""
+  train_step, eval_step = make_step_fns(graphdef, rest, tx,
+                                        stochastic_rounding=stochastic_rounding)
+  return TrainStep(tx, train_step, eval_step, tx.init,
+                   lambda p, s: skewadam_jax.state_shardings(tx, p, s), None)
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def build_step(config, graphdef, rest, params, axes, *, schedule=None) -> TrainStep:
+  """The step ``config``'s run runs, for the split model ``(graphdef, params, rest)``.
+
+  Args:
+    config: the run's :class:`~experiments.config.TrainConfig`.
+    graphdef, rest: the split :class:`models.Transformer`.
+    params: its parameters, or their ``ShapeDtypeStruct`` s.
+    axes: the parameters' declared logical axes by path.
+    schedule: the learning rate (default :func:`learning_rate_schedule`).
+
+  Raises:
+    ValueError: with ``--update-in-backward``, for an optimizer that couples
+      parameters (:func:`skewadam_jax.layerwise.check_separable`).
+  """
+  tx = make_tx(config, axes, schedule)
+  if not config.update_in_backward:
+    return standard_step(graphdef, rest, tx, stochastic_rounding=config.stochastic_rounding)
+  return layerwise_step(graphdef, rest, tx, params, clip_norm=config.clip_norm,
+                        clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
+                        stochastic_rounding=config.stochastic_rounding)
+
+
+def layerwise_step(graphdef, rest, tx, params, **options) -> TrainStep:
+  """The update-in-backward step of ``tx`` as a :class:`TrainStep`.
+
+  The library's :func:`skewadam_jax.layerwise.layerwise_step` on the model's
+  adapter (:mod:`models.layerwise`), with the standard step's signature
+  (the rotary tables computed once per step); ``options`` are its clip,
+  skip and rounding settings. ``tx`` (built for
+  :func:`models.layerwise.slice_axes`) is checked to be separable here.
+  """
+  model = nnx.merge(graphdef, _shapes(params), rest)  # the structure only
+  engine = model_layerwise.layerwise_step(model, tx, check=False, **options)
+  layerwise_lib.check_separable(tx, engine.per_layer_params(params))
+  model_config = model.config
+
+  def train_step(params, opt_state, inputs, targets, key=None, grad_scale=None):
+    batch = model_layerwise.lm_batch(model_config, inputs, targets)
+    return engine.step(params, opt_state, batch, key=key, grad_scale=grad_scale)
+
+  _, eval_step = make_step_fns(graphdef, rest, tx)
+  return TrainStep(tx, train_step, eval_step, engine.init, engine.state_shardings, engine)
 
 
 def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
@@ -76,6 +199,17 @@ def abstract_model(preset: str, param_dtype=None, **overrides):
   model = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return config, graphdef, nnx.as_pure(params), nnx.as_pure(rest)
+
+
+def abstract_step(config) -> tuple[TrainStep, Any, Any]:
+  """``(step, params, opt_state)`` of ``config``'s run, shapes only (nothing allocated)."""
+  model_config = config.model_config()
+  model = nnx.eval_shape(lambda: models.Transformer(model_config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  axes = models.logical_axes(params)
+  params = nnx.as_pure(params)
+  step = build_step(config, graphdef, rest, params, axes)
+  return step, params, jax.eval_shape(step.init, params)
 
 
 def abstract_params(preset: str, dtype=None):

@@ -32,11 +32,10 @@ from experiments import mesh as mesh_lib
 from experiments import monitoring
 from experiments import optimizers
 from experiments import sampling
-from experiments import update_in_backward
+from experiments import steps as steps_lib
 from experiments.checkpoint import Checkpointer
 from experiments.config import TrainConfig
 from experiments.metrics_log import MetricsLog, read_metrics, write_atomically
-from experiments.steps import make_step_fns
 
 
 SAMPLE_PROMPT_TOKENS = 16  # the evaluation samples continue the validation text's start
@@ -100,32 +99,24 @@ class Run:
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
     self.axes = models.logical_axes(params)
     self.initial_params = nnx.as_pure(params)
-    self.schedule = learning_rate_schedule(config)
+    self.schedule = steps_lib.learning_rate_schedule(config)
     # Stochastic-rounding bits are a pure function of (seed, step), like the
     # batches, so a resumed run rounds exactly as an uninterrupted one.
     self.rounding_key = jax.random.fold_in(jax.random.key(config.seed), 0x5352)
     self.spmd = None
     self._next_token = None  # the sampler, compiled at the first evaluation
-    self.tx = make_train_tx(config, self.axes, self.schedule)
-    if config.update_in_backward:
-      update_in_backward.check_separable(self.tx, self.initial_params)
-      train_step = update_in_backward.make_train_step(
-          self.graphdef, self.rest, self.tx, clip_norm=config.clip_norm,
-          clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
-          stochastic_rounding=config.stochastic_rounding)
-      _, eval_step = make_step_fns(self.graphdef, self.rest, self.tx)
-    else:
-      train_step, eval_step = make_step_fns(self.graphdef, self.rest, self.tx,
-                                            stochastic_rounding=config.stochastic_rounding)
+    self.step = steps_lib.build_step(config, self.graphdef, self.rest, self.initial_params,
+                                     self.axes, schedule=self.schedule)
+    self.tx = self.step.tx
     if config.mesh:  # the same steps, sharded over a device mesh
       mesh = mesh_lib.make_mesh(**mesh_lib.parse_mesh(config.mesh))
       self.spmd = mesh_lib.spmd_steps(
-          mesh, self.tx, self.initial_params, train_step, eval_step, axes=self.axes,
-          fsdp=config.fsdp, expert_parallel=self.model_config.moe_impl == "expert_parallel")
+          mesh, self.step, self.initial_params, axes=self.axes, fsdp=config.fsdp,
+          expert_parallel=self.model_config.moe_impl == "expert_parallel")
       self.train_step, self.eval_step = self.spmd.train_step, self.spmd.eval_step
     else:
-      self.train_step = jax.jit(train_step, donate_argnums=(0, 1))
-      self.eval_step = jax.jit(eval_step)
+      self.train_step = jax.jit(self.step.train_step, donate_argnums=(0, 1))
+      self.eval_step = jax.jit(self.step.eval_step)
 
   def batch_at(self, step: int):
     """Training batch ``step`` (a pure function of ``(seed, step)``).
@@ -143,7 +134,7 @@ class Run:
     if self.spmd is not None:
       return self.spmd.init(self.initial_params)
     params = jax.tree.map(jnp.copy, self.initial_params)
-    return params, init_opt_state(self.config, self.tx, params)
+    return params, self.step.init(params)
 
   def sample(self, params, step: int) -> str:
     """A continuation of the validation text's first tokens (``sample_tokens`` of them).
@@ -168,54 +159,13 @@ class Run:
     return math.exp(total / count)
 
 
-def learning_rate_schedule(config: TrainConfig):
-  """The run's schedule: warmup to ``--lr`` (or the optimizer's default), then ``--schedule``."""
-  lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
-  return optimizers.lr_schedule(lr, config.steps, config.warmup_steps, kind=config.schedule,
-                                decay_fraction=config.decay_fraction)
-
-
-def make_train_tx(config: TrainConfig, axes, schedule) -> optax.GradientTransformation:
-  """The optimizer exactly as the run applies it.
-
-  The standard step: the optimizer with its global-norm clipping, wrapped in
-  ``optax.apply_if_finite`` for ``--skip-nonfinite``. With
-  ``--update-in-backward``: the per-slice optimizer (built for
-  :func:`update_in_backward.slice_axes`; the step clips and skips itself).
-  """
-  settings = dict(learning_rate=schedule, weight_decay=config.weight_decay,
-                  skewadam_tiers=config.skewadam_tiers(), b1=config.b1)
-  if config.update_in_backward:
-    return optimizers.make_optimizer(config.optimizer, axes=update_in_backward.slice_axes(axes),
-                                     clip_norm=0, **settings)
-  tx = optimizers.make_optimizer(config.optimizer, axes=axes, clip_norm=config.clip_norm,
-                                 **settings)
-  if config.skip_nonfinite:
-    # Outermost, so a skipped step leaves every inner state untouched
-    # (moments, step count, schedule): as if the batch had not been drawn.
-    # optax applies the (K+1)-th bad update; the loop stops at the K-th.
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=config.skip_nonfinite)
-  return tx
-
-
-def init_opt_state(config: TrainConfig, tx, params):
-  """The optimizer state the run's train step takes."""
-  if config.update_in_backward:
-    return update_in_backward.init(tx, params)
-  return tx.init(params)
-
-
 def abstract_run_state(config: TrainConfig):
   """``(graphdef, rest, params, opt_state)`` of a run, shapes only: what its
   checkpoints restore onto (e.g. to sample from one), with no data read."""
-  model_config = config.model_config()
-  model = nnx.eval_shape(lambda: models.Transformer(model_config, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  axes = models.logical_axes(params)
-  params = nnx.as_pure(params)
-  tx = make_train_tx(config, axes, learning_rate_schedule(config))
-  return graphdef, nnx.as_pure(rest), params, jax.eval_shape(
-      lambda p: init_opt_state(config, tx, p), params)
+  graphdef, params, rest = nnx.split(nnx.eval_shape(
+      lambda: models.Transformer(config.model_config(), rngs=nnx.Rngs(0))), nnx.Param, ...)
+  _, params, opt_state = steps_lib.abstract_step(config)
+  return graphdef, nnx.as_pure(rest), params, opt_state
 
 
 def _summary_bytes(state) -> dict[str, int]:

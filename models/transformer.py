@@ -278,11 +278,20 @@ def loss_from_features(model: Transformer, x_BTD: Array, aux: dict[str, Array],
                        ) -> tuple[Array, dict[str, Array]]:
   """:func:`lm_loss` from the final-normed features and the averaged ``aux``.
 
-  Uses only the unembedding of ``model``: a train step that runs the layer
-  stack itself (``experiments.update_in_backward``) ends with it.
+  Uses only the unembedding of ``model`` (:func:`loss_from_unembedding`).
   """
-  cfg = model.config
-  kernel_DV = model.unembed.kernel[...]
+  return loss_from_unembedding(model.config, model.unembed.kernel[...], x_BTD, aux,
+                               targets_BT, weights_BT)
+
+
+def loss_from_unembedding(cfg: ModelConfig, kernel_DV: Array, x_BTD: Array,
+                          aux: dict[str, Array], targets_BT: Array,
+                          weights_BT: Array | None = None) -> tuple[Array, dict[str, Array]]:
+  """:func:`lm_loss` from the unembedding kernel, the final-normed features and ``aux``.
+
+  A train step that runs the layer stack itself (:mod:`models.layerwise`)
+  ends with it.
+  """
   if cfg.loss_chunk_size and targets_BT.size > cfg.loss_chunk_size:
     ce_BT = chunked_cross_entropy(kernel_DV, x_BTD, targets_BT, cfg.loss_chunk_size,
                                   cfg.compute_dtype)

@@ -18,6 +18,10 @@ The public API:
 * :func:`apply_updates_stochastic`, :func:`stochastic_round_to_bf16` —
   unbiased stochastic rounding of updates to bfloat16 parameters.
 * :func:`state_shardings` — optimizer-state shardings from parameter shardings.
+* :func:`layerwise_step` — the update inside the backward pass of any scanned
+  layer stack (:mod:`skewadam_jax.layerwise`; :class:`LayerwiseStep`,
+  :class:`LayerwiseState`, :func:`check_separable`,
+  :func:`scanned_matrix_axes`).
 
 Importing the package changes nothing outside it: no environment variable, no
 JAX option, no redirected stream (as optax).
@@ -38,6 +42,11 @@ from skewadam_jax.labels import TIERS
 from skewadam_jax.labels import label_fn
 from skewadam_jax.labels import label_names
 from skewadam_jax.labels import moe_param_labels
+from skewadam_jax.layerwise import LayerwiseState
+from skewadam_jax.layerwise import LayerwiseStep
+from skewadam_jax.layerwise import check_separable
+from skewadam_jax.layerwise import layerwise_step
+from skewadam_jax.layerwise import scanned_matrix_axes
 from skewadam_jax.orthogonal import newton_schulz
 from skewadam_jax.plans import plan_table
 from skewadam_jax.rounding import apply_updates_stochastic
@@ -63,11 +72,14 @@ __version__ = "0.2.0"
 __all__ = [
     "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER", "DIRECTIONS",
     "DecayScheduleState",
-    "ENCODINGS", "EXPERT", "LeafPlan", "MATRICES", "MatrixAxes", "PATTERNS",
+    "ENCODINGS", "EXPERT", "LayerwiseState", "LayerwiseStep", "LeafPlan", "MATRICES",
+    "MatrixAxes", "PATTERNS",
     "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
-    "apply_updates_stochastic", "get_encoding", "label_fn", "label_names", "leaf_plans",
-    "matrices_only", "moe_param_labels", "newton_schulz", "plan_table", "scale_by_skewadam", "skewadam",
+    "apply_updates_stochastic", "check_separable", "get_encoding", "label_fn", "label_names",
+    "layerwise_step", "leaf_plans",
+    "matrices_only", "moe_param_labels", "newton_schulz", "plan_table", "scale_by_skewadam",
+    "scanned_matrix_axes", "skewadam",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",
 ]

@@ -388,6 +388,9 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
       raise ValueError(
           f"Parameter {path!r} has label {label!r}, which is not a tier; "
           f"expected one of {TIERS}.")
+  # A tree with MaskedNode holes is one part of a partition (optax.partition,
+  # the layerwise step's outer parameters): the experts may be in another part.
+  warn = warn and not _masked_paths(tree)
   if warn and labels and param_labels is None:
     _warn_unmatched("default", PATTERNS["default"], labels, tree)
   elif warn and labels and isinstance(param_labels, PatternLabeller):

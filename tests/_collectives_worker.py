@@ -4,9 +4,9 @@ The device count is fixed when JAX starts, so this runs in its own process
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints one JSON
 object: the collective bytes :mod:`experiments.hlo` reads from a function
 with a known set of collectives, and the update-in-backward step of ``tiny``
-sharded as the planner lays it out (:func:`experiments.planner.step_shardings`,
-:func:`experiments.update_in_backward.state_shardings`) against the same
-steps on one device. Standalone:
+sharded as the planner and the training command lay it out
+(:func:`experiments.mesh.train_shardings` with the layerwise step's
+``state_shardings``) against the same steps on one device. Standalone:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_collectives_worker.py
 """
@@ -30,8 +30,8 @@ from experiments import hlo  # noqa: E402
 from experiments import mesh as mesh_lib  # noqa: E402
 from experiments import optimizers  # noqa: E402
 from experiments import parallel  # noqa: E402
-from experiments import planner  # noqa: E402
-from experiments import update_in_backward as uib  # noqa: E402
+from experiments import steps as steps_lib  # noqa: E402
+from models import layerwise as model_layerwise  # noqa: E402
 
 LOOP = 5  # trip count of the scan holding an all-reduce and an all-to-all
 
@@ -69,21 +69,22 @@ def update_in_backward_sharded(steps: int = 2) -> dict:
                                      nnx.Param, ...)
   axes = models.logical_axes(params)
   params = nnx.as_pure(params)
-  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3, axes=uib.slice_axes(axes),
-                                 clip_norm=0)
-  train_step = uib.make_train_step(graphdef, rest, tx, clip_norm=1.0)
+  tx = optimizers.make_optimizer("skewadam", learning_rate=1e-3,
+                                 axes=model_layerwise.slice_axes(axes), clip_norm=0)
+  built = steps_lib.layerwise_step(graphdef, rest, tx, params, clip_norm=1.0)
+  train_step = built.train_step
   batches = [parallel.synthetic_batch(s, 8, 16, config.vocab_size, 0) for s in range(steps)]
 
-  ref_params, ref_state = jax.tree.map(jnp.copy, params), uib.init(tx, params)
+  ref_params, ref_state = jax.tree.map(jnp.copy, params), built.init(params)
   for inputs, targets in batches:
     ref_params, ref_state, _ = jax.jit(train_step)(ref_params, ref_state, inputs, targets)
 
   mesh = mesh_lib.make_mesh(data=2, expert=4)
-  # The memory planner's shardings of this step (uib.state_shardings for the state).
-  shardings = planner.step_shardings(mesh, "tiny", tx, params, update_in_backward=True)
+  # The training command's and the planner's shardings of this step.
+  shardings = mesh_lib.train_shardings(mesh, tx, params, axes=axes,
+                                       state_shardings=built.state_shardings)
   param_shardings = shardings.params
-  init = jax.jit(lambda p: uib.init(tx, p), in_shardings=(param_shardings,),
-                 out_shardings=shardings.opt_state)
+  init = mesh_lib.sharded_init(built.init, shardings)
   sharded_params = mesh_lib.put(params, param_shardings)
   state = init(sharded_params)
   step = mesh_lib.sharded_train_step(train_step, shardings)

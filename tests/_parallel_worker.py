@@ -90,7 +90,8 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
                                 in jax.tree_util.tree_flatten_with_path(ref_params)[0]})
 
   mesh = mesh_lib.make_mesh(data=2, expert=4)
-  spmd = mesh_lib.spmd_steps(mesh, tx, params, train_step, axes=axes, fsdp=fsdp)
+  spmd = mesh_lib.spmd_steps(mesh, steps.standard_step(graphdef, rest, tx), params, axes=axes,
+                              fsdp=fsdp)
   want_state = skewadam_jax.state_shardings(tx, params, spmd.shardings.params)
   sharded_params, state = spmd.init(params)
   errors = [f"init: {e}" for e in placement_errors(state, want_state)]
@@ -159,8 +160,8 @@ def expert_parallel() -> dict:
     ref_losses.append(float(metrics["loss"]))
 
   mesh = mesh_lib.make_mesh(data=2, expert=4)
-  train_step = steps.make_step_fns(graphdef, rest, tx)[0]
-  spmd = mesh_lib.spmd_steps(mesh, tx, params, train_step, axes=axes, expert_parallel=True)
+  step_fns = steps.standard_step(graphdef, rest, tx)
+  spmd = mesh_lib.spmd_steps(mesh, step_fns, params, axes=axes, expert_parallel=True)
   sharded_params, state = spmd.init(params)
   losses = []
   for inputs, targets in batches:
@@ -170,7 +171,7 @@ def expert_parallel() -> dict:
                        sharded_params, ref_params)
 
   s = spmd.shardings
-  hlo = mesh_lib.sharded_train_step(train_step, s).lower(
+  hlo = mesh_lib.sharded_train_step(step_fns.train_step, s).lower(
       sharded_params, state, *mesh_lib.put(batches[0], (s.batch, s.batch)), {}
   ).compile().as_text()
   bank_dims = {(config.num_experts, config.d_model, config.d_ff),

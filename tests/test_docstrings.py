@@ -30,7 +30,7 @@ def test_every_public_name_is_documented():
 
 @pytest.mark.parametrize("name", ["models.axes", "experiments.metrics_log",
                                   "experiments.distributed", "experiments.optimizers",
-                                  "experiments.update_in_backward", "experiments.monitoring",
+                                  "models.layerwise", "experiments.config", "experiments.monitoring",
                                   "experiments.sampling", "experiments.hlo",
                                   "experiments.planner", "experiments.schedules"])
 def test_model_and_experiment_library_examples(name):

@@ -57,7 +57,8 @@ def test_gpu_target_compile_of_tiny():
                 "cannot compile for the A100 target here")
   _, _, params, _ = planner.abstract_model("tiny", jnp.bfloat16)
   state = jax.eval_shape(planner.make_tx("skewadam", "tiny").init, params)
-  result = planner.compile_step("tiny", "skewadam", batch=2, seq=16, target="a100-40gb")
+  result = planner.compile_step(planner.train_config("tiny", "skewadam"), batch=2, seq=16,
+                                target="a100-40gb")
   assert result["warning"] is None
   check_analysis(result["xla"], skewadam_jax.tree_bytes((params, state)))
 
@@ -65,7 +66,8 @@ def test_gpu_target_compile_of_tiny():
 def test_cpu_compile_of_tiny_warns():
   _, _, params, _ = planner.abstract_model("tiny", jnp.bfloat16)
   state = jax.eval_shape(planner.make_tx("adamw", "tiny").init, params)
-  result = planner.compile_step("tiny", "adamw", batch=2, seq=16, target="cpu")
+  result = planner.compile_step(planner.train_config("tiny", "adamw"), batch=2, seq=16,
+                                target="cpu")
   assert "compiled for the CPU" in result["warning"]
   check_analysis(result["xla"], skewadam_jax.tree_bytes((params, state)))
 
@@ -255,7 +257,7 @@ def test_devices_plan_of_the_expert_parallel_layer_moves_tokens():
 def test_the_default_layout_is_data_parallel_fsdp_or_expert_parallel(monkeypatch):
   seen = []
 
-  def fake_compile(preset, optimizer, *, batch, mesh, fsdp, **_):
+  def fake_compile(config, *, batch, mesh, fsdp, **_):
     seen.append((mesh, fsdp))
     return {"xla": {"argument": 0, "output": 0, "alias": 0, "temp": 0, "peak": 1},
             "matmul_flops": 1, "device_matmul_flops": 1, "warning": None}
@@ -282,7 +284,7 @@ def test_the_default_layout_is_data_parallel_fsdp_or_expert_parallel(monkeypatch
 
 
 def test_devices_batch_search_steps_by_the_data_size(monkeypatch):
-  def fake_compile(preset, optimizer, *, batch, mesh, **_):
+  def fake_compile(config, *, batch, mesh, **_):
     assert batch % mesh["data"] == 0
     if batch >= 40:  # as XLA:TPU answers a buffer larger than the chip
       return {"xla": None, "out_of_memory": "RESOURCE_EXHAUSTED", "matmul_flops": 1,

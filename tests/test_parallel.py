@@ -29,6 +29,7 @@ import skewadam_jax
 from experiments import optimizers
 from experiments import distributed
 from experiments import mesh as mesh_lib
+from experiments import steps
 from experiments import train as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -180,8 +181,9 @@ def test_spmd_steps_take_host_batches_and_keyword_arguments():
     return optax.apply_updates(params, updates), opt_state, {"loss": loss(params)}
 
   params = {"w": jnp.ones((4, 2))}
-  spmd = mesh_lib.spmd_steps(mesh_lib.make_mesh(), tx, params, train_step,
-                             axes={"w": ("embed", "mlp")})
+  step = steps.TrainStep(tx, train_step, None, tx.init,
+                         lambda p, s: skewadam_jax.state_shardings(tx, p, s), None)
+  spmd = mesh_lib.spmd_steps(mesh_lib.make_mesh(), step, params, axes={"w": ("embed", "mlp")})
   p, state = spmd.init(params)
   ones = np.ones((2, 3), np.int32)
   p, state, metrics = spmd.train_step(p, state, ones, ones, scale=np.float32(2.0))

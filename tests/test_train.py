@@ -10,6 +10,7 @@ import pytest
 
 from experiments import checkpoint
 from experiments import optimizers
+from experiments import steps
 from experiments import train as train_lib
 from experiments import training
 from experiments.steps import abstract_axes, abstract_params
@@ -107,7 +108,7 @@ def test_bad_flags_fail_with_one_line(capsys, flags, message):
 def test_b1_reaches_the_optimizer(optimizer, overrides):
   # From zero momentum one step stores (1 - b1)·g in every fp32 momentum leaf.
   config = train_lib.TrainConfig(optimizer=optimizer, b1=0.5, clip_norm=0.0, **overrides)
-  tx = training.make_train_tx(config, abstract_axes("tiny"), 1e-3)
+  tx = steps.make_tx(config, abstract_axes("tiny"), 1e-3)
   params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), abstract_params("tiny"))
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
   _, state = tx.update(grads, tx.init(params), params)

@@ -1,7 +1,9 @@
-"""The optimizer update inside the backward pass (experiments/update_in_backward.py).
+"""The update inside the backward pass on this project's model (models/layerwise.py,
+experiments.steps.layerwise_step and --update-in-backward).
 
 References: the standard train step (all gradients, then the update) with
 optax's global-norm clipping and ``apply_if_finite``, on ``tiny`` in float32.
+The engine itself on models that are not ours: tests/test_layerwise.py.
 """
 
 import jax
@@ -14,7 +16,8 @@ from flax import nnx
 import models
 from experiments import config as config_lib
 from experiments import optimizers, planner, steps, training
-from experiments import update_in_backward as uib
+from models import layerwise as model_layerwise
+from skewadam_jax import layerwise
 
 CLIP = 0.05  # below every step's gradient norm here, so clipping is active
 SKIP = 3
@@ -33,6 +36,13 @@ def tiny32():
   return graphdef, nnx.as_pure(params), rest, models.logical_axes(params), batches
 
 
+def _per_layer(tiny32):
+  """The tree the per-layer optimizer acts on: one layer's slice and the outer parameters."""
+  graphdef, params, rest, _, _ = tiny32
+  return model_layerwise.layerwise_step(nnx.merge(graphdef, params, rest),
+                                        optax.identity()).per_layer_params(params)
+
+
 def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
@@ -46,13 +56,12 @@ def _pair(tiny32, name, tiers=None, clip=CLIP, skip=SKIP):
   if skip:
     tx = optax.apply_if_finite(tx, max_consecutive_errors=skip)
   slice_tx = optimizers.make_optimizer(name, learning_rate=schedule,
-                                       axes=uib.slice_axes(axes), clip_norm=0,
+                                       axes=model_layerwise.slice_axes(axes), clip_norm=0,
                                        skewadam_tiers=tiers)
-  uib.check_separable(slice_tx, params)
   standard = jax.jit(steps.make_step_fns(graphdef, rest, tx)[0])
-  layerwise = jax.jit(uib.make_train_step(graphdef, rest, slice_tx, clip_norm=clip,
-                                          skip_nonfinite=skip))
-  return standard, tx.init(_copy(params)), layerwise, uib.init(slice_tx, _copy(params))
+  built = steps.layerwise_step(graphdef, rest, slice_tx, params, clip_norm=clip,
+                               skip_nonfinite=skip)
+  return standard, tx.init(_copy(params)), jax.jit(built.train_step), built.init(_copy(params))
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +98,9 @@ def _by_path(tree):
   return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def assert_states_close(standard, layerwise: uib.InBackwardState, atol):
+def assert_states_close(standard, layerwise_state: layerwise.LayerwiseState, atol):
   """Every leaf of the standard state equals its layer-stack or outer counterpart."""
-  parts = (_by_path(layerwise.layers), _by_path(layerwise.outer))
+  parts = (_by_path(layerwise_state.layers), _by_path(layerwise_state.outer))
   for path, want in _by_path(standard).items():
     found = [part[path] for part in parts if path in part]
     assert found, f"no counterpart for state leaf {path}"
@@ -130,9 +139,9 @@ def test_muon_on_per_layer_matrices_runs_one_layer_at_a_time(tiny32):
 
 @pytest.mark.parametrize("name", ["lion", "adafactor", "muon", "skewadam", "adamw"])
 def test_per_leaf_optimizers_pass_the_separability_check(tiny32, name):
-  axes = uib.slice_axes(tiny32[3])
-  uib.check_separable(optimizers.make_optimizer(name, learning_rate=1e-3, axes=axes,
-                                                clip_norm=0), tiny32[1])
+  axes = model_layerwise.slice_axes(tiny32[3])
+  tx = optimizers.make_optimizer(name, learning_rate=1e-3, axes=axes, clip_norm=0)
+  layerwise.check_separable(tx, _per_layer(tiny32))
 
 
 def test_nan_in_one_layer_skips_the_whole_step(tiny32, pairs):
@@ -162,12 +171,13 @@ def test_stale_mode_clips_by_the_previous_steps_norm(tiny32):
   schedule = optimizers.lr_schedule(1e-2, 10, 2)
   tx = optimizers.make_optimizer("adamw", learning_rate=schedule, axes=axes, clip_norm=0)
   slice_tx = optimizers.make_optimizer("adamw", learning_rate=schedule,
-                                       axes=uib.slice_axes(axes), clip_norm=0)
+                                       axes=model_layerwise.slice_axes(axes), clip_norm=0)
   standard = jax.jit(steps.make_step_fns(graphdef, rest, tx)[0])
-  stale = jax.jit(uib.make_train_step(graphdef, rest, slice_tx, clip_norm=CLIP,
-                                      clip_mode="stale"))
+  built = steps.layerwise_step(graphdef, rest, slice_tx, params, clip_norm=CLIP,
+                               clip_mode="stale")
+  stale = jax.jit(built.train_step)
   ref_params, ref_state = _copy(params), tx.init(_copy(params))
-  lw_params, lw_state = _copy(params), uib.init(slice_tx, _copy(params))
+  lw_params, lw_state = _copy(params), built.init(_copy(params))
   previous = 0.0  # no clipping at the first step
   for tokens in batches:
     factor = 1.0 if previous < CLIP else CLIP / previous
@@ -189,25 +199,18 @@ def test_stale_mode_clips_by_the_previous_steps_norm(tiny32):
 def test_transformations_that_couple_parameters_are_refused(tiny32, tx, what):
   with pytest.raises(ValueError, match=f"update of 'embed/embedding' changed when the "
                                        f"other gradients were {what}"):
-    uib.check_separable(tx, tiny32[1])
+    layerwise.check_separable(tx, _per_layer(tiny32))
 
 
-def test_bad_modes_are_refused(tiny32):
-  graphdef, _, rest, _, _ = tiny32
-  with pytest.raises(ValueError, match="clip mode must be one of exact, stale"):
-    uib.make_train_step(graphdef, rest, optax.adam(1e-3), clip_mode="late")
-  with pytest.raises(ValueError, match="needs clip mode 'exact'"):
-    uib.make_train_step(graphdef, rest, optax.adam(1e-3), clip_mode="stale", skip_nonfinite=2)
+def test_bad_modes_are_refused():
   with pytest.raises(ValueError, match="needs --clip-mode exact"):
     config_lib.TrainConfig(update_in_backward=True, clip_mode="stale",
                            skip_nonfinite=2).validate()
-  with pytest.raises(ValueError, match="drop --mesh"):
-    config_lib.TrainConfig(update_in_backward=True, mesh="data=1").validate()
 
 
 def test_slice_axes_drop_only_the_layer_axis():
   axes = steps.abstract_axes("tiny")
-  sliced = uib.slice_axes(axes)
+  sliced = model_layerwise.slice_axes(axes)
   assert sliced["layers/moe/experts/w_up"] == ("experts", "embed", "mlp")
   assert sliced["layers/attn_norm/scale"] == ("embed",)
   assert sliced["unembed/kernel"] == axes["unembed/kernel"]
