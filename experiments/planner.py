@@ -35,6 +35,7 @@ compiles for a GPU target calls :func:`use_deviceless_gpu_environment` in its
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -60,7 +61,12 @@ from experiments import optimizers
 from experiments import steps as steps_lib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"
-TARGETS = {"a100-40gb": "a100_sxm_40gb.txtpb", "h100-80gb": "h100_sxm.txtpb", "cpu": None}
+# GPU descriptions for deviceless compiles. The A100 and H100 files are what
+# XLA reports on those GPUs; h200_sxm.txtpb is the H100's (the same Hopper
+# die) with the H200's datasheet memory, 141 GB, and bandwidth, 4.8 TB/s, not
+# read from a real H200: the memory a JAX process sees there may differ.
+TARGETS = {"a100-40gb": "a100_sxm_40gb.txtpb", "h100-80gb": "h100_sxm.txtpb",
+           "h200": "h200_sxm.txtpb", "cpu": None}
 CPU_WARNING = ("compiled for the CPU, not the GPU: XLA:CPU reports 2.5-4x the GPU's "
                "temporaries (bf16 upcast to f32, ragged_dot computed densely); "
                "install the gpu-compile extra for a GPU figure")
@@ -421,11 +427,10 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
     # report says whether the step fits, so those lines are not passed on.
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
       compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args, **kwargs).compile()
-    return {"xla": _analysis(compiled),
-            "matmul_flops": matmul_flops(functools.partial(train_step, **kwargs), *args),
+    return {"xla": _analysis(compiled), "matmul_flops": _step_matmul_flops(train_step, args, kwargs),
             "device_matmul_flops": hlo.device_matmul_flops(compiled.as_text(),
                                                            model_config.num_layers),
-            "warning": warning, "fingerprint": _fingerprint(compiled)}
+            "warning": warning, "fingerprint": step_fingerprint(compiled)}
 
   mesh = mesh or default_mesh_shape(devices, model_config.num_experts)
   expert_parallel = model_config.moe_impl == "expert_parallel"
@@ -439,7 +444,7 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
       expert_parallel=expert_parallel, state_shardings=step.state_shardings)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   kwargs = _step_kwargs(config)
-  flops = matmul_flops(functools.partial(train_step, **kwargs), params, opt_state, tokens, tokens)
+  flops = _step_matmul_flops(train_step, (params, opt_state, tokens, tokens), kwargs)
   try:
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
       compiled = mesh_lib.sharded_train_step(train_step, shardings).lower(
@@ -455,9 +460,18 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
   return {"xla": _analysis(compiled), "matmul_flops": flops,
           "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
           "collectives": hlo.collective_bytes(text, default_trip_count=model_config.num_layers),
-          "warning": warning, "fingerprint": _fingerprint(compiled),
+          "warning": warning, "fingerprint": step_fingerprint(compiled),
           "per_device_param_bytes": _shard_bytes(params, shardings.params),
           "per_device_opt_state_bytes": _shard_bytes(opt_state, shardings.opt_state)}
+
+
+def _step_matmul_flops(train_step, args, kwargs) -> int:
+  """:func:`matmul_flops` of ``train_step(*args, **kwargs)``, the keywords traced too."""
+  names = sorted(kwargs)
+
+  def positional(*values):
+    return train_step(*values[:len(args)], **dict(zip(names, values[len(args):])))
+  return matmul_flops(positional, *args, *(kwargs[n] for n in names))
 
 
 def _step_kwargs(config) -> dict:
@@ -467,9 +481,19 @@ def _step_kwargs(config) -> dict:
   return {"key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype)}
 
 
-def _fingerprint(compiled) -> str:
-  """A hash of the compiled step's optimised HLO, with its module name and ids left out."""
-  text = re.sub(r"^HloModule \S+", "HloModule", compiled.as_text(), count=1, flags=re.M)
+def step_fingerprint(compiled) -> str:
+  """A hash of the compiled step's program: every instruction's shape and opcode, counted.
+
+  Names, metadata (source lines, argument paths) and sharding annotations of a
+  one-device program are left out, so the same step compiled from concrete
+  arrays (the training command) and from placed shapes (the planner) hashes
+  the same; another step (a missing ``apply_if_finite``, stochastic rounding,
+  the layerwise loop) does not.
+  """
+  instructions = collections.Counter(
+      f"{m.group(1)} {m.group(2)}" for m in re.finditer(
+          r"^\s*(?:ROOT )?%\S+ = (.+?) ([a-z][a-z0-9-]*)\(", compiled.as_text(), re.M))
+  text = "\n".join(f"{n} {k}" for k, n in sorted(instructions.items()))
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -31,6 +31,7 @@ from experiments import parallel  # noqa: E402
 from experiments import steps  # noqa: E402
 from experiments import training  # noqa: E402
 from experiments.config import TrainConfig  # noqa: E402
+from experiments.metrics_log import read_metrics  # noqa: E402
 
 # The run `python -m experiments.parallel --preset tiny --compute-dtype float32
 # --steps 2 --batch-size 8 --seq-len 32 --lr 1e-3 --seed 0` makes.
@@ -136,6 +137,53 @@ def train_command(tmp: pathlib.Path) -> dict:
           "checkpoints": sorted(p.name for p in (tmp / "run" / "ckpt").iterdir())}
 
 
+def train_command_layerwise(tmp: pathlib.Path) -> dict:
+  """`experiments.train --mesh data=2,expert=4 --update-in-backward` against one device,
+  and the memory planner's compiled step for that configuration against the command's."""
+  from experiments import planner  # pylint: disable=import-outside-toplevel
+  corpus = tmp / "corpus-layerwise"
+  corpus.mkdir()
+  rng = np.random.default_rng(1)
+  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
+  for name in ("first", "second", "third"):
+    (corpus / f"{name}.txt").write_text(
+        "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(200)))
+  settings = dict(preset="tiny", update_in_backward=True, steps=3, batch_size=8, seq_len=16,
+                  eval_batches=1, warmup_steps=1, data=str(corpus), log_every=1,
+                  sample_tokens=0)
+  def max_diff(a, b):
+    return max(jax.tree.leaves(jax.tree.map(
+        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))),
+        a["_params"], b["_params"])))
+
+  one = training.train(TrainConfig(**settings), tmp / "one", cache_dir=tmp / "tok",
+                       progress=False)
+  config = TrainConfig(mesh="data=2,expert=4", **settings)
+  run = training.Run(config, cache_dir=tmp / "tok")
+  sharded = training.train(config, tmp / "mesh", cache_dir=tmp / "tok", progress=False, run=run)
+  # The standard step's own mesh-against-one-device difference, for scale.
+  standard = {**settings, "update_in_backward": False}
+  standard_one = training.train(TrainConfig(**standard), tmp / "std-one", cache_dir=tmp / "tok",
+                                progress=False)
+  standard_mesh = training.train(TrainConfig(mesh="data=2,expert=4", **standard),
+                                 tmp / "std-mesh", cache_dir=tmp / "tok", progress=False)
+  losses = lambda out: [r["loss"] for r in read_metrics(out / "metrics.jsonl", 3) if "loss" in r]
+  params, state = run.init_state()
+  inputs, targets = run.batch_at(0)
+  s = run.spmd.shardings
+  trained = mesh_lib.sharded_train_step(run.step.train_step, s).lower(
+      params, state, *mesh_lib.put((inputs, targets), (s.batch, s.batch)), {}).compile()
+  planned = planner.compile_step(config, batch=8, seq=16, target="cpu", devices=8,
+                                 mesh={"data": 2, "expert": 4})
+  return {"losses": losses(tmp / "mesh"), "ref_losses": losses(tmp / "one"),
+          "max_param_diff": max_diff(sharded, one),
+          "standard_max_param_diff": max_diff(standard_mesh, standard_one),
+          "trained_fingerprint": planner.step_fingerprint(trained),
+          "planned_fingerprint": planned["fingerprint"],
+          "trained_temp": int(trained.memory_analysis().temp_size_in_bytes),
+          "planned_temp": planned["xla"]["temp"]}
+
+
 def expert_parallel() -> dict:
   """`tiny` with moe_impl='expert_parallel' on data=2 x expert=4 against one device."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
@@ -215,6 +263,7 @@ def main() -> None:
                             save_reference=sys.argv[1] if len(sys.argv) > 1 else None),
         "adamw_fsdp": compare("adamw", fsdp=True),
         "train": train_command(pathlib.Path(tmp)),
+        "train_layerwise": train_command_layerwise(pathlib.Path(tmp)),
         "expert_parallel": expert_parallel(),
     }
   print(json.dumps(result))

@@ -334,3 +334,9 @@ def test_bad_devices_flags_fail_with_one_line(capsys):
     assert memory.main(base + flags) == 2, flags
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_the_h200_target_is_a_hopper_with_141_gb():
+  assert planner.target_device_bytes("h200") == 141_000_000_000
+  description = (planner.TARGET_DIR / planner.TARGETS["h200"]).read_text()
+  assert "major: 9" in description and 'name: "NVIDIA H200"' in description
