@@ -99,6 +99,9 @@ class TrainConfig:
   moe_impl: str | None = setting(None, "dropless expert lowering (default: the "
                                  "preset's)", structural=True,
                                  choices=tuple(models.MOE_IMPLS), kind=str)
+  vocab_size: int | None = setting(None, "model vocabulary (default: with a prepared "
+                                   "--data, its tokenizer's; else the preset's, and the "
+                                   "tokenizer is trained to it)", structural=True, kind=int)
   expert_momentum: str | None = setting(
       None, "SkewAdam expert-tier momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
@@ -142,6 +145,8 @@ class TrainConfig:
     overrides = {"moe_impl": self.moe_impl} if self.moe_impl else {}
     if self.param_dtype:
       overrides["param_dtype"] = self.param_dtype
+    if self.vocab_size:
+      overrides["vocab_size"] = self.vocab_size
     return models.get_preset(self.preset, **overrides)
 
   def skewadam_tiers(self) -> dict:
@@ -186,6 +191,8 @@ class TrainConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                          f"got {getattr(self, name)}")
+    if self.vocab_size is not None and self.vocab_size < 2:
+      raise ValueError(f"--vocab-size must be >= 2, got {self.vocab_size}")
     if self.seq_len is not None and self.seq_len < 1:
       raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
     if self.lr is not None and not self.lr > 0:  # also rejects NaN

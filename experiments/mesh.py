@@ -10,8 +10,8 @@ parameters' rows follow from their declared logical axes
 | what | sharding |
 |---|---|
 | expert banks ``[L, E, d_in, d_out]``, router ``[L, D, E]`` | the ``experts`` axis split over ``expert`` |
-| everything else | replicated (``fsdp=True``: the larger matrix axis of each matrix split over ``data`` where it divides) |
-| batch ``[B, T]`` | ``B`` split over ``data`` |
+| everything else | replicated (``fsdp=True``: the larger matrix axis of each matrix split over the batch's mesh axes where it divides: ``data``, with the expert-parallel MoE ``data`` and ``expert``) |
+| batch ``[B, T]`` | ``B`` split over ``data`` (with the expert-parallel MoE, ``data`` and ``expert``) |
 | optimizer state | derived by :func:`skewadam_jax.state_shardings` |
 | metrics | replicated |
 
@@ -137,7 +137,8 @@ def make_mesh(data: int | None = None, expert: int = 1, *,
 # --------------------------------------------------------------------------
 
 
-def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool = False):
+def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool = False,
+                    expert_parallel: bool = False):
   """``NamedSharding`` s for the model's parameters on ``mesh``, from their logical axes.
 
   Each parameter's declared logical axes (:func:`models.logical_axes`) go to
@@ -152,7 +153,12 @@ def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool
     params: parameters or ``ShapeDtypeStruct`` s (paths and shapes are read).
     mesh: a mesh with axes ``data`` and ``expert``.
     axes: the logical axes by path (:func:`models.logical_axes`).
-    fsdp: also shard parameters (and so their optimizer state) over ``data``.
+    fsdp: also shard parameters (and so their optimizer state) over the
+      axes the batch is split over: ``data``, and with ``expert_parallel``
+      ``expert`` too (the expert-parallel MoE splits the batch over both,
+      so the backbone is split eight ways on ``data=1 x expert=8``; an expert
+      bank, already split over ``expert``, adds ``data``).
+    expert_parallel: the model's ``moe_impl`` is ``'expert_parallel'``.
 
   Returns:
     A tree of ``NamedSharding`` with the structure of ``params``.
@@ -171,6 +177,7 @@ def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool
     P(None, 'expert', None, None)
   """
   sizes = dict(mesh.shape)
+  fsdp_axes = (DATA, EXPERT) if expert_parallel else (DATA,)
 
   def one(path, leaf):
     name = model_axes.path_to_str(path)
@@ -178,7 +185,7 @@ def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool
       raise ValueError(f"parameter {name!r} has no declared logical axes")
     try:
       spec = model_axes.partition_spec(axes[name], leaf.shape, sizes,
-                                       fsdp_axis=DATA if fsdp else None)
+                                       fsdp_axis=fsdp_axes if fsdp else None)
     except ValueError as err:
       raise ValueError(f"parameter {name!r}: {err}") from None
     return NamedSharding(mesh, P(*spec))
@@ -235,7 +242,8 @@ def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
     >>> s.opt_state[0].mu["w"].spec, s.batch.spec
     (P(None, None), P('data',))
   """
-  shardings = param_shardings(params, mesh, axes=axes, fsdp=fsdp)
+  shardings = param_shardings(params, mesh, axes=axes, fsdp=fsdp,
+                              expert_parallel=expert_parallel)
   return TrainShardings(
       mesh=mesh, params=shardings,
       opt_state=(state_shardings(params, shardings) if state_shardings is not None

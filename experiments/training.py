@@ -58,6 +58,12 @@ class Run:
 
   def __init__(self, config: TrainConfig, *, cache_dir: str | os.PathLike | None = None):
     config.validate()
+    self.requested = config
+    if config.vocab_size is None and data_lib.is_prepared_dir(config.data):
+      # The model's vocabulary follows the prepared corpus's tokenizer; the
+      # resolved value is the run's (saved with its checkpoints and summary).
+      config = dataclasses.replace(config,
+                                   vocab_size=data_lib.open_prepared(config.data).vocab_size)
     self.config = config
     self.model_config = config.model_config()
     seq_len = config.seq_len or self.model_config.max_seq_len
@@ -215,7 +221,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
   """
   if run is None:
     run = Run(config, cache_dir=cache_dir)
-  elif run.config != config:
+  elif config not in (run.requested, run.config):
     raise ValueError("train(run=...) was built for another configuration")
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)

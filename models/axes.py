@@ -46,7 +46,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import math
+from typing import Mapping, Optional, Sequence, Union
 
 import jax
 from flax import nnx
@@ -171,15 +172,18 @@ def tier(names: Sequence[Optional[str]]) -> str:
 
 
 def partition_spec(names: Sequence[Optional[str]], shape: Sequence[int],
-                   mesh_sizes: Mapping[str, int], *, fsdp_axis: Optional[str] = None
-                   ) -> tuple[Optional[str], ...]:
+                   mesh_sizes: Mapping[str, int], *,
+                   fsdp_axis: Optional[Union[str, tuple[str, ...]]] = None
+                   ) -> tuple[Optional[Union[str, tuple[str, ...]]], ...]:
   """Mesh axis per parameter axis (a ``PartitionSpec`` 's entries).
 
   Each logical name in :data:`MESH_RULES` goes to its mesh axis. With
-  ``fsdp_axis`` (e.g. ``"data"``) the larger matrix axis still unsplit whose
-  size divides by that mesh axis is split over it too: never a stacked axis
-  (the layers are scanned over), never a vector (too small to be worth the
-  gathers).
+  ``fsdp_axis`` (e.g. ``"data"``, or ``("data", "expert")`` when the batch is
+  split over both) the larger matrix axis still unsplit whose size divides by
+  those mesh axes is split over them too, leaving out a mesh axis the leaf
+  already uses (an expert bank is split over ``expert`` by its experts, so
+  FSDP adds only ``data``): never a stacked axis (the layers are scanned
+  over), never a vector (too small to be worth the gathers).
 
   Raises:
     ValueError: naming the axis, when a size does not divide by its mesh axis.
@@ -199,10 +203,12 @@ def partition_spec(names: Sequence[Optional[str]], shape: Sequence[int],
                        f"{tuple(shape)} does not divide by the mesh's "
                        f"{mesh_axis}={mesh_sizes[mesh_axis]}")
     spec[i] = mesh_axis
-  size = mesh_sizes.get(fsdp_axis, 1) if fsdp_axis else 1
+  wanted = (fsdp_axis,) if isinstance(fsdp_axis, str) else tuple(fsdp_axis or ())
+  fsdp = tuple(a for a in wanted if a not in spec and mesh_sizes.get(a, 1) > 1)
+  size = math.prod(mesh_sizes[a] for a in fsdp)
   if size > 1 and matrix_dims(names) is not None:
     free = [i for i in range(stacked_prefix(names), len(names))
             if spec[i] is None and shape[i] % size == 0]
     if free:
-      spec[max(free, key=lambda i: (shape[i], i))] = fsdp_axis
+      spec[max(free, key=lambda i: (shape[i], i))] = fsdp[0] if len(fsdp) == 1 else fsdp
   return tuple(spec)

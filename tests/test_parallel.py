@@ -121,6 +121,20 @@ def test_param_shardings_fsdp(tiny_params, tiny_axes):
       assert spec[:1] in ((), (None,)), name
 
 
+def test_param_shardings_fsdp_with_the_expert_parallel_moe_split_the_backbone_over_both_axes(
+    tiny_params, tiny_axes):
+  # The expert-parallel MoE splits the batch over data and expert: so does FSDP.
+  mesh = AbstractMesh((2, 4), ("data", "expert"))
+  specs = {k: stripped(s.spec) for k, s in by_path(mesh_lib.param_shardings(
+      tiny_params, mesh, axes=tiny_axes, fsdp=True, expert_parallel=True)).items()}
+  assert specs["embed/embedding"] == (("data", "expert"),)  # [256, 32]: 8 ways
+  assert specs["unembed/kernel"] == (None, ("data", "expert"))
+  assert specs["layers/attn/query/kernel"] == (None, None, ("data", "expert"))
+  # A bank already split over expert by its experts adds only data.
+  assert specs[f"{EXPERTS}/w_down"] == (None, "expert", "data")
+  assert specs["final_norm/scale"] == ()
+
+
 def test_param_shardings_need_experts_to_divide(tiny_params, tiny_axes):
   with pytest.raises(ValueError, match="'layers/moe/experts/w_down'.*'experts', size 4.*"
                      "expert=3"):

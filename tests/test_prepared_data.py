@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import models
 from experiments import data
 from experiments import mesh as mesh_lib
 from experiments import train as train_lib
@@ -261,18 +262,37 @@ def test_vocabulary_larger_than_the_model_is_refused(prepared):
 
 @pytest.mark.parametrize("case", ["missing", "truncated shard", "vocab"])
 def test_train_command_exits_2_with_one_line(prepared, tiny_prepared, tmp_path, capsys, case):
-  if case == "vocab":  # a 320-token corpus for the 256-token tiny preset
+  extra = []
+  if case == "vocab":  # a 320-token corpus for a model told to have 256
     out, message = prepared[0], "exceeds the model's vocab_size 256"
+    extra = ["--vocab-size", "256"]
   else:
     out = _copy((tiny_prepared,), tmp_path)
     damage, message = BAD_MANIFESTS[case]
     damage(out)
     message = message.format(out=out)
-  argv = ["--preset", "tiny", "--no-progress", "--data", str(out), "--out", str(tmp_path / "run")]
+  argv = ["--preset", "tiny", "--no-progress", "--data", str(out), "--out", str(tmp_path / "run"),
+          *extra]
   assert train_lib.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: ") and message in err, err
   assert "\n" not in err and "Traceback" not in err
+
+
+def test_the_models_vocabulary_follows_the_prepared_corpus(corpus, tmp_path, capsys):
+  # `data prepare` with its defaults, then `train --preset tiny --data PREP`.
+  prep = tmp_path / "prep"
+  assert data.main(["prepare", "--data", str(corpus), "--out", str(prep),
+                    "--cache-dir", str(tmp_path / "tok"), "--no-progress"]) == 0
+  vocab = data.open_prepared(prep).vocab_size
+  assert vocab > models.get_preset("tiny").vocab_size  # the preset's would not hold it
+  out = tmp_path / "run"
+  assert train_lib.main(["--preset", "tiny", "--data", str(prep), "--out", str(out),
+                         "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                         "--warmup-steps", "1", "--eval-batches", "1", "--sample-tokens", "0",
+                         "--no-progress"]) == 0
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["config"]["vocab_size"] == vocab and np.isfinite(summary["val_ppl"])
 
 
 def test_data_command_prepares_and_reports_errors(corpus, tmp_path, capsys):
