@@ -10,8 +10,10 @@ them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import pathlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from experiments import optimizers
 from experiments import mesh as mesh_lib
 
 PARAM_DTYPES = ("float32", "bfloat16")
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the checkout
 
 
 _AS_DEFAULT = object()
@@ -102,6 +105,20 @@ class TrainConfig:
   vocab_size: int | None = setting(None, "model vocabulary (default: with a prepared "
                                    "--data, its tokenizer's; else the preset's, and the "
                                    "tokenizer is trained to it)", structural=True, kind=int)
+  num_layers: int | None = setting(None, "transformer blocks (default: the preset's)",
+                                   structural=True, kind=int)
+  d_model: int | None = setting(None, "model width (default: the preset's)", structural=True,
+                                kind=int)
+  num_heads: int | None = setting(None, "attention heads; d_model / num_heads must be even "
+                                  "(default: the preset's)", structural=True, kind=int)
+  num_experts: int | None = setting(None, "experts per MoE layer (default: the preset's)",
+                                    structural=True, kind=int)
+  top_k: int | None = setting(None, "experts each token is routed to (default: the preset's)",
+                              structural=True, kind=int)
+  d_ff: int | None = setting(None, "each expert's hidden width (default: the preset's)",
+                             structural=True, kind=int)
+  max_seq_len: int | None = setting(None, "longest sequence the model takes (default: the "
+                                    "preset's)", structural=True, kind=int)
   expert_momentum: str | None = setting(
       None, "SkewAdam expert-tier momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
@@ -145,8 +162,9 @@ class TrainConfig:
     overrides = {"moe_impl": self.moe_impl} if self.moe_impl else {}
     if self.param_dtype:
       overrides["param_dtype"] = self.param_dtype
-    if self.vocab_size:
-      overrides["vocab_size"] = self.vocab_size
+    for name in MODEL_FIELDS:
+      if getattr(self, name) is not None:
+        overrides[name] = getattr(self, name)
     return models.get_preset(self.preset, **overrides)
 
   def skewadam_tiers(self) -> dict:
@@ -174,7 +192,12 @@ class TrainConfig:
     if self.param_dtype not in (None, *PARAM_DTYPES):
       raise ValueError(f"--param-dtype must be one of {', '.join(PARAM_DTYPES)}, "
                        f"got {self.param_dtype!r}")
-    self.model_config()  # unknown preset / moe_impl
+    for name in MODEL_FIELDS:
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                or value < 1):
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    self.model_config()  # unknown preset / moe_impl, a shape the model refuses
     if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
       raise ValueError("--stochastic-rounding needs bfloat16 parameters "
                        "(--param-dtype bfloat16)")
@@ -191,8 +214,6 @@ class TrainConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                          f"got {getattr(self, name)}")
-    if self.vocab_size is not None and self.vocab_size < 2:
-      raise ValueError(f"--vocab-size must be >= 2, got {self.vocab_size}")
     if self.seq_len is not None and self.seq_len < 1:
       raise ValueError(f"--seq-len must be >= 1, got {self.seq_len}")
     if self.lr is not None and not self.lr > 0:  # also rejects NaN
@@ -230,6 +251,7 @@ class TrainConfig:
                          "layers' gradients are seen)")
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 STRUCTURAL_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)
                           if f.metadata["structural"])
 
@@ -244,6 +266,10 @@ def with_defaults(saved: dict) -> dict:
   defaults = {f.name: f.metadata["before"] for f in dataclasses.fields(TrainConfig)}
   return {**defaults, **saved}
 
+
+# The fields that set the model's shape on top of its preset (TrainConfig.model_config).
+MODEL_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_experts", "top_k",
+                "d_ff", "max_seq_len")
 
 # The fields that choose SkewAdam's tiers (TrainConfig.skewadam_tiers).
 TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
@@ -312,3 +338,114 @@ def tier_fields(tiers: dict) -> dict:
 def tiers_from_args(args) -> dict:
   """SkewAdam's tiers (:meth:`TrainConfig.skewadam_tiers`) from :data:`TIER_FIELDS` flags."""
   return TrainConfig(**{name: getattr(args, name) for name in TIER_FIELDS}).skewadam_tiers()
+
+
+# --------------------------------------------------------------------------
+# Configuration files.
+# --------------------------------------------------------------------------
+
+# Where each field goes in a configuration file: every field in one section,
+# spelled as its flag is (``num_layers`` for ``--num-layers``).
+SECTIONS = {
+    "model": ("preset", *MODEL_FIELDS, "moe_impl", "param_dtype"),
+    "optimizer": ("optimizer", "lr", "schedule", "warmup_steps", "decay_fraction",
+                  "weight_decay", "b1", "clip_norm", "stochastic_rounding", "skip_nonfinite",
+                  *TIER_FIELDS),
+    "data": ("data", "val_fraction", "batch_size", "seq_len"),
+    "parallel": ("mesh", "fsdp"),
+    "layerwise": ("update_in_backward", "clip_mode"),
+    "run": ("steps", "seed", "eval_every", "eval_batches", "ckpt_every", "log_every",
+            "sample_tokens"),
+}
+
+
+def _check_type(name: str, value, where: str):
+  field = _FIELDS[name]
+  kind = field.metadata["kind"]
+  ok = (isinstance(value, bool) if kind is bool
+        else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+        else isinstance(value, int) and not isinstance(value, bool) if kind is int
+        else isinstance(value, kind))
+  if not ok:
+    raise ValueError(f"{where}: {name} must be {kind.__name__}, got {value!r}")
+  return float(value) if kind is float else value
+
+
+def load_config_file(path) -> dict:
+  """The :class:`TrainConfig` fields a TOML configuration file sets.
+
+  The file has up to six tables, :data:`SECTIONS`: ``[model]`` (the preset
+  and every dimension on top of it), ``[optimizer]`` (with its SkewAdam tiers
+  as flat fields, ``expert_momentum = "int8"``, or as a sub-table
+  ``[optimizer.tiers.expert]`` with ``momentum = "int8"``), ``[data]``,
+  ``[parallel]``, ``[layerwise]`` and ``[run]``; each key is a field spelled as
+  its flag (``num_layers`` for ``--num-layers``). The command line overrides
+  the file.
+
+  Raises:
+    ValueError: naming the file and the key, for an unknown table or key, a
+      key in the wrong table, or a value of the wrong type.
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "mine.toml"
+    >>> _ = path.write_text('''
+    ... [model]
+    ... preset = "tiny"
+    ... num_layers = 6
+    ... [optimizer.tiers.expert]
+    ... momentum = "int8"
+    ... ''')
+    >>> load_config_file(path)
+    {'preset': 'tiny', 'num_layers': 6, 'expert_momentum': 'int8'}
+  """
+  import tomllib  # pylint: disable=import-outside-toplevel  (Python 3.11+, as flax)
+  path = pathlib.Path(path)
+  try:
+    tables = tomllib.loads(path.read_text(encoding="utf-8"))
+  except FileNotFoundError:
+    raise ValueError(f"{path}: no such configuration file") from None
+  except tomllib.TOMLDecodeError as err:
+    raise ValueError(f"{path}: not valid TOML ({err})") from None
+  home = {name: section for section, names in SECTIONS.items() for name in names}
+  values = {}
+  for section, table in tables.items():
+    if section not in SECTIONS or not isinstance(table, dict):
+      raise ValueError(f"{path}: unknown table [{section}]; the tables are "
+                       f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+    for key, value in table.items():
+      where = f"{path}: [{section}]"
+      if section == "optimizer" and key == "tiers" and isinstance(value, dict):
+        for name, tier_value in tier_fields(value).items():
+          values[name] = _check_type(name, tier_value, f"{where} tiers")
+        continue
+      if key not in home:
+        raise ValueError(f"{where}: unknown key {key!r} (keys are the flags' names; "
+                         f"this table's: {', '.join(SECTIONS[section])})")
+      if home[key] != section:
+        raise ValueError(f"{where}: {key!r} belongs in [{home[key]}]")
+      values[key] = _check_type(key, value, where)
+  return values
+
+
+def parse_with_config_file(parser, argv=None):
+  """``parser.parse_args(argv)`` with a ``--config FILE``'s settings as the defaults.
+
+  Adds ``--config`` to ``parser``; the file's keys that are ``parser`` 's
+  destinations become its defaults (so flags given on the command line win).
+
+  Returns:
+    ``(args, file_values)``: the parsed arguments and everything the file set
+    (also the fields ``parser`` has no flag for).
+  """
+  if not any("--config" in a.option_strings for a in parser._actions):  # pylint: disable=protected-access
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a TOML configuration file (experiments/config.py, "
+                        "load_config_file); flags given here override it")
+  first = argparse.ArgumentParser(add_help=False)
+  first.add_argument("--config", default=None)
+  known, _ = first.parse_known_args(argv)
+  values = load_config_file(known.config) if known.config else {}
+  dests = {a.dest for a in parser._actions}  # pylint: disable=protected-access
+  parser.set_defaults(**{k: v for k, v in values.items() if k in dests})
+  return parser.parse_args(argv), values

@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--param-dtype", default="bfloat16")
   parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
   # The settings that change the step, with the training command's flags.
-  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS)
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS + config_lib.MODEL_FIELDS)
   parser.add_argument("--device-memory-gb", type=float, default=None,
                       help="check the fit against a device of this many GB (default: "
                       "the target's memory)")
@@ -122,7 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown_table if argv[0] == "--table" else planner.markdown_devices_table
     print(table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
     return 0
-  args = _parser().parse_args(argv)
+  try:
+    args, file_values = config_lib.parse_with_config_file(_parser(), argv)
+  except ValueError as err:
+    print(f"error: {err}", file=sys.stderr)
+    return 2
   if args.target == "cpu" and args.devices:
     planner.use_host_devices(args.devices)  # before JAX starts its CPU backend
   try:
@@ -138,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   stochastic_rounding=args.stochastic_rounding,
                   device_memory_gb=args.device_memory_gb, devices=args.devices,
                   mesh=args.mesh, fsdp=args.fsdp, moe_impl=args.moe_impl,
+                  settings=_settings(args, file_values),
                   progress=lambda message: print(message, file=sys.stderr, flush=True))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
@@ -147,6 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   else:
     _print_report(report)
   return 0
+
+
+def _settings(args, file_values: dict) -> dict:
+  """The run's other settings: the model's shape flags, and what a ``--config`` file sets
+  that this command has no flag for (the schedule, clipping, ...), as ``train`` reads them."""
+  own = {"preset", "optimizer", "param_dtype", "moe_impl", "mesh", "fsdp", "batch_size",
+         "seq_len", *config_lib.TIER_FIELDS, *STEP_FIELDS}
+  settings = {k: v for k, v in file_values.items() if k not in own}
+  settings.update({name: getattr(args, name) for name in config_lib.MODEL_FIELDS
+                   if getattr(args, name) is not None})
+  return settings
 
 
 def _print_report(report: dict) -> None:

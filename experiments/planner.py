@@ -339,19 +339,21 @@ def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
 def train_config(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
                  param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
                  clip_mode: str = "exact", skip_nonfinite: int = 0,
-                 stochastic_rounding: bool = False,
-                 moe_impl: str | None = None) -> config_lib.TrainConfig:
+                 stochastic_rounding: bool = False, moe_impl: str | None = None,
+                 **settings) -> config_lib.TrainConfig:
   """The training command's :class:`~experiments.config.TrainConfig` for these settings.
 
   The planner plans the step this configuration's ``train`` runs
   (:func:`experiments.steps.build_step`); the schedule's values do not change
-  memory, so the command's default schedule stands.
+  memory, so the command's default schedule stands. ``settings`` are any
+  other :class:`~experiments.config.TrainConfig` fields (the model's shape,
+  the clip norm, ...).
   """
   config = config_lib.TrainConfig(
       preset=preset, optimizer=optimizer, param_dtype=jnp.dtype(param_dtype).name,
       update_in_backward=update_in_backward, clip_mode=clip_mode,
       skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding,
-      moe_impl=moe_impl, **config_lib.tier_fields(skewadam_tiers or {}))
+      moe_impl=moe_impl, **config_lib.tier_fields(skewadam_tiers or {}), **settings)
   config.validate()
   return config
 
@@ -617,7 +619,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
          skip_nonfinite: int = 0, stochastic_rounding: bool = False,
          device_memory_gb: float | None = None, devices: int | None = None,
          mesh: str | None = None, fsdp: bool | None = None, moe_impl: str | None = None,
-         progress=None) -> dict:
+         settings: Mapping[str, Any] | None = None, progress=None) -> dict:
   """The planner's report (see the module docstring); JSON-serialisable.
 
   ``device_memory_gb`` checks the fit against a device of that size instead
@@ -642,7 +644,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   run_config = train_config(preset, optimizer, skewadam_tiers=skewadam_tiers,
                             param_dtype=param_dtype, update_in_backward=update_in_backward,
                             clip_mode=clip_mode, skip_nonfinite=skip_nonfinite,
-                            stochastic_rounding=stochastic_rounding, moe_impl=moe_impl)
+                            stochastic_rounding=stochastic_rounding, moe_impl=moe_impl,
+                            **(settings or {}))
   config = run_config.model_config()
   if devices is None and target in TPU_TARGETS:
     devices = 1

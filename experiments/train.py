@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-  args = build_parser().parse_args(argv)
+  """The run's configuration: a ``--config FILE``'s settings, overridden by the flags."""
+  args, _ = config_lib.parse_with_config_file(build_parser(), argv)
   return config_lib.from_args(args), args
 
 

@@ -44,3 +44,10 @@ def test_the_library_tests_listed_for_ci_need_only_jax_and_optax():
     text = (ROOT / path).read_text()
     assert not re.search(r"^\s*(import|from) (flax|models|orbax|tokenizers)\b", text, re.M), path
     assert not re.search(r"^\s*(import|from) experiments\b", text, re.M), path
+
+
+def test_the_license_file_is_the_one_pyproject_names():
+  assert PYPROJECT["project"]["license"] == {"text": "Apache-2.0"}
+  text = (ROOT / "LICENSE").read_text()
+  assert "Apache License" in text and "Version 2.0, January 2004" in text
+  assert "END OF TERMS AND CONDITIONS" in text

@@ -1,0 +1,123 @@
+"""The training configuration as a file (experiments/config.py): a user's own MoE shape.
+
+A TOML file sets any TrainConfig field in its table; the command line
+overrides it; ``experiments.train --config FILE`` trains it and
+``experiments.memory --config FILE`` plans the same run.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+from experiments import config as config_lib
+from experiments import memory
+from experiments import planner
+from experiments import train as train_lib
+
+# A shape no preset has: 6 layers, width 256, 16 experts, top-2, expert width 512.
+MY_MOE = """
+[model]
+preset = "tiny"
+num_layers = 6
+d_model = 256
+num_heads = 4
+num_experts = 16
+top_k = 2
+d_ff = 512
+param_dtype = "bfloat16"
+
+[optimizer]
+optimizer = "skewadam"
+lr = 3e-3
+
+[optimizer.tiers.expert]
+momentum = "int8"
+
+[data]
+batch_size = 2
+seq_len = 16
+
+[run]
+steps = 2
+warmup_steps = 1
+"""
+
+
+@pytest.fixture
+def my_moe(tmp_path):
+  path = tmp_path / "my-moe.toml"
+  path.write_text(MY_MOE.replace("warmup_steps = 1\n", "") + "eval_batches = 1\n"
+                  "sample_tokens = 0\n" + "\n[optimizer.tiers.backbone]\nmomentum = \"bf16\"\n")
+  return path
+
+
+def test_every_field_has_one_table():
+  placed = [name for names in config_lib.SECTIONS.values() for name in names]
+  assert sorted(placed) == sorted(f.name for f in dataclasses.fields(config_lib.TrainConfig))
+  assert len(placed) == len(set(placed))
+
+
+def test_a_file_sets_the_fields_and_the_command_line_overrides_it(my_moe):
+  values = config_lib.load_config_file(my_moe)
+  assert values["num_experts"] == 16 and values["expert_momentum"] == "int8"
+  assert values["backbone_momentum"] == "bf16" and values["lr"] == 3e-3
+  config, _ = train_lib.parse_args(["--config", str(my_moe), "--num-layers", "3"])
+  model = config.model_config()
+  assert (model.num_layers, model.d_model, model.num_experts, model.top_k, model.d_ff) == (
+      3, 256, 16, 2, 512)
+  assert config.skewadam_tiers() == {"expert": {"momentum": "int8"},
+                                     "backbone": {"momentum": "bf16"}}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[modle]\nnum_layers = 2\n", r"unknown table \[modle\]"),
+    ("[model]\nnum_layer = 2\n", r"\[model\]: unknown key 'num_layer'"),
+    ("[run]\nnum_layers = 2\n", r"\[run\]: 'num_layers' belongs in \[model\]"),
+    ("[model]\nnum_layers = \"two\"\n", r"\[model\]: num_layers must be int, got 'two'"),
+    ("[optimizer]\nlr = true\n", r"lr must be float, got True"),
+    ("[optimizer.tiers.expert]\nmoment = \"int8\"\n", r"expert.moment has no training flag"),
+    ("[model\n", "not valid TOML"),
+])
+def test_a_bad_file_is_one_line_naming_the_key(tmp_path, text, message):
+  path = tmp_path / "bad.toml"
+  path.write_text(text)
+  with pytest.raises(ValueError, match=message):
+    config_lib.load_config_file(path)
+
+
+def test_a_shape_the_model_refuses_is_one_line(tmp_path, capsys):
+  path = tmp_path / "odd.toml"
+  path.write_text('[model]\npreset = "tiny"\nd_model = 30\nnum_heads = 4\n')
+  assert train_lib.main(["--config", str(path), "--out", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert "d_model=30 is not divisible by num_heads=4" in err and "\n" == err[-1:]
+  assert train_lib.main(["--config", str(tmp_path / "none.toml")]) == 2
+  assert "no such configuration file" in capsys.readouterr().err
+
+
+def test_my_own_moe_trains_from_its_file_and_the_planner_plans_the_same_file(
+    my_moe, corpus, tmp_path, capsys):
+  out = tmp_path / "run"
+  assert train_lib.main(["--config", str(my_moe), "--data", corpus, "--out", str(out),
+                         "--no-progress"]) == 0
+  summary = json.loads((out / "summary.json").read_text())
+  saved = summary["config"]
+  assert (saved["num_layers"], saved["d_model"], saved["num_experts"], saved["d_ff"]) == (
+      6, 256, 16, 512)
+  capsys.readouterr()
+  target = "a100-40gb" if planner.gpu_compile_available("a100-40gb") else "cpu"
+  assert memory.main(["--config", str(my_moe), "--target", target, "--no-search", "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["num_params"] == summary["num_params"]
+  assert report["opt_state_bytes_by_tier"] == summary["opt_state_bytes_by_tier"]
+  assert report["skewadam_tiers"] == {"expert": {"momentum": "int8"},
+                                      "backbone": {"momentum": "bf16"}}
+
+
+def test_the_shipped_example_file_is_a_valid_configuration():
+  values = config_lib.load_config_file(config_lib.ROOT / "examples" / "my-moe.toml")
+  config = config_lib.TrainConfig(**values)
+  config.validate()
+  assert config.model_config().num_experts == 16 and config.skewadam_tiers() == {
+      "expert": {"momentum": "sign"}}
