@@ -165,23 +165,33 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
   standard = {**settings, "update_in_backward": False}
   standard_one = training.train(TrainConfig(**standard), tmp / "std-one", cache_dir=tmp / "tok",
                                 progress=False)
-  standard_mesh = training.train(TrainConfig(mesh="data=2,expert=4", **standard),
-                                 tmp / "std-mesh", cache_dir=tmp / "tok", progress=False)
+  standard_config = TrainConfig(mesh="data=2,expert=4", **standard)
+  standard_run = training.Run(standard_config, cache_dir=tmp / "tok")
+  standard_mesh = training.train(standard_config, tmp / "std-mesh", progress=False,
+                                 run=standard_run)
   losses = lambda out: [r["loss"] for r in read_metrics(out / "metrics.jsonl", 3) if "loss" in r]
-  params, state = run.init_state()
-  inputs, targets = run.batch_at(0)
-  s = run.spmd.shardings
-  trained = mesh_lib.sharded_train_step(run.step.train_step, s).lower(
-      params, state, *mesh_lib.put((inputs, targets), (s.batch, s.batch)), {}).compile()
-  planned = planner.compile_step(config, batch=8, seq=16, target="cpu", devices=8,
-                                 mesh={"data": 2, "expert": 4})
+  def fingerprints(run):
+    """(the command's compiled step, the planner's) for ``run``'s configuration."""
+    params, state = run.init_state()
+    inputs, targets = run.batch_at(0)
+    s = run.spmd.shardings
+    trained = mesh_lib.sharded_train_step(run.step.train_step, s).lower(
+        params, state, *mesh_lib.put((inputs, targets), (s.batch, s.batch)), {}).compile()
+    planned = planner.compile_step(run.config, batch=8, seq=16, target="cpu", devices=8,
+                                   mesh={"data": 2, "expert": 4})
+    return trained, planned
+
+  trained, planned = fingerprints(run)
+  standard_trained, standard_planned = fingerprints(standard_run)
   return {"losses": losses(tmp / "mesh"), "ref_losses": losses(tmp / "one"),
           "max_param_diff": max_diff(sharded, one),
           "standard_max_param_diff": max_diff(standard_mesh, standard_one),
           "trained_fingerprint": planner.step_fingerprint(trained),
           "planned_fingerprint": planned["fingerprint"],
           "trained_temp": int(trained.memory_analysis().temp_size_in_bytes),
-          "planned_temp": planned["xla"]["temp"]}
+          "planned_temp": planned["xla"]["temp"],
+          "standard_trained_fingerprint": planner.step_fingerprint(standard_trained),
+          "standard_planned_fingerprint": standard_planned["fingerprint"]}
 
 
 def expert_parallel() -> dict:
@@ -217,6 +227,15 @@ def expert_parallel() -> dict:
     losses.append(float(metrics["loss"]))
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
                        sharded_params, ref_params)
+  # FSDP with expert parallelism: the backbone split over both axes, as the batch.
+  fsdp = mesh_lib.spmd_steps(mesh, step_fns, params, axes=axes, expert_parallel=True, fsdp=True)
+  fsdp_params, fsdp_state = fsdp.init(params)
+  fsdp_losses = []
+  for inputs, targets in batches:
+    fsdp_params, fsdp_state, metrics = fsdp.train_step(fsdp_params, fsdp_state, inputs, targets)
+    fsdp_losses.append(float(metrics["loss"]))
+  fsdp_diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                            fsdp_params, ref_params)
 
   s = spmd.shardings
   hlo = mesh_lib.sharded_train_step(step_fns.train_step, s).lower(
@@ -252,7 +271,10 @@ def expert_parallel() -> dict:
           "max_param_diff": max(jax.tree.leaves(diffs)),
           "all_to_all": hlo.count(" all-to-all("), "bank_all_gathers": gathered,
           "received_counts": received_counts, "wanted_counts": wanted_counts,
-          "batch_spec": [str(a) for a in s.batch.spec]}
+          "batch_spec": [str(a) for a in s.batch.spec],
+          "fsdp_losses": fsdp_losses, "fsdp_max_param_diff": max(jax.tree.leaves(fsdp_diffs)),
+          "fsdp_query_spec": [str(a) for a in
+                              fsdp.shardings.params["layers"]["attn"]["query"]["kernel"].spec]}
 
 
 def main() -> None:

@@ -248,6 +248,8 @@ def test_devices_plan_of_the_expert_parallel_layer_moves_tokens():
                         moe_impl="expert_parallel", search_batch=False)
   assert report["moe_impl"] == "expert_parallel" and report["fits"]
   assert report["collective_bytes"]["all-to-all"] > 0
+  # By default FSDP splits the backbone over both axes: its matrices are gathered.
+  assert report["fsdp"] is True and report["collective_bytes"]["all-gather"] > 0
   # The batch is split over data x expert: no device repeats another's dense work.
   with pytest.raises(ValueError, match=r"data=2 x expert=4 \(expert parallelism\)"):
     planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
@@ -270,7 +272,8 @@ def test_the_default_layout_is_data_parallel_fsdp_or_expert_parallel(monkeypatch
   assert "data=8 x expert=1, fsdp (default)" in planner.markdown_devices_table([report])
   planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
                moe_impl="expert_parallel", search_batch=False)
-  assert seen[-1] == ({"data": 2, "expert": 4}, False)  # tiny's 4 experts
+  # tiny's 4 experts; FSDP of the backbone over both axes (what fits moe-47b).
+  assert seen[-1] == ({"data": 2, "expert": 4}, True)
   report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
                         fsdp=False, search_batch=False)
   assert seen[-1] == ({"data": 8, "expert": 1}, False) and report["layout"] == "given"

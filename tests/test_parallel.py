@@ -314,6 +314,9 @@ def test_train_command_with_a_mesh_and_the_update_in_backward(eight_devices):
   assert result["max_param_diff"] <= 2 * result["standard_max_param_diff"] + 1e-6, result
   assert result["planned_fingerprint"] == result["trained_fingerprint"]
   assert result["planned_temp"] == result["trained_temp"]
+  # --mesh data=2,expert=4 alone: the planner's step is the command's too.
+  assert result["standard_planned_fingerprint"] == result["standard_trained_fingerprint"]
+  assert result["standard_planned_fingerprint"] != result["planned_fingerprint"]
 
 
 # --------------------------------------------------------------------------
@@ -399,6 +402,10 @@ def test_expert_parallel_layer_matches_one_device(eight_devices):
   np.testing.assert_allclose(result["losses"], result["ref_losses"], rtol=1e-6)
   assert result["max_param_diff"] < 5e-5, result["max_param_diff"]  # as above
   assert result["batch_spec"] == ["('data', 'expert')"]  # no repeated dense work
+  # With FSDP the backbone is split over both axes, as the batch, and the step is the same.
+  assert result["fsdp_query_spec"] == ["None", "None", "('data', 'expert')"]
+  np.testing.assert_allclose(result["fsdp_losses"], result["ref_losses"], rtol=1e-6)
+  assert result["fsdp_max_param_diff"] < 5e-5, result["fsdp_max_param_diff"]
 
 
 def test_expert_parallel_step_moves_tokens_not_expert_banks(eight_devices):
