@@ -51,7 +51,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
+import platform
 import statistics
 import sys
 from typing import Sequence
@@ -66,9 +68,14 @@ from experiments.sweeps import base_config, entry_key, parse_entries, resolve_co
 from experiments.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
 from experiments.sweeps import tuned_rates
 
-# --quick is a first look (the grid is not extended: its rates may sit at an edge).
-QUICK = dict(steps=100, sweep_steps=40, seeds=(0, 1), eval_every=50, eval_batches=4,
+# --quick is a first look: AdamW, SkewAdam's default and Muon, 3 seeds, no sweep
+# (each trains at the rate the full protocol tuned, experiments/results/compare.json),
+# and a verdict that names the pairs it cannot separate (verdict_text).
+QUICK = dict(steps=200, sweep_steps=0, seeds=(0, 1, 2), eval_every=100, eval_batches=8,
              max_extensions=0)
+QUICK_OPTIMIZERS = "adamw,skewadam,muon"
+TUNED_RATES = pathlib.Path(__file__).resolve().parent / "results" / "compare.json"
+NOISE_MULTIPLE = 2  # an ordering is reported only when it exceeds twice the seeds' spread
 FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16,
             max_extensions=2)
 
@@ -246,17 +253,89 @@ def _config_cell(row: dict, mark_default: bool = True) -> str:
   return f"**{cell}** (default)" if mark_default and is_default(row) else cell
 
 
-def markdown_table(rows: Sequence[dict]) -> str:
-  """The comparison's rows as a Markdown table; the library's default marked in bold."""
-  lines = ["| optimizer | config | lr | val ppl (mean ± std) | state, this preset | state, moe-6.78b "
-           "| step time ÷ AdamW |", "|---|---|---|---|---|---|---|"]
+def markdown_table(rows: Sequence[dict], *, step_time: bool = True) -> str:
+  """The comparison's rows as a Markdown table; the library's default marked in bold.
+
+  ``step_time=False`` leaves out the step-time column (a timing: the rest of
+  the table is a pure function of the code and the machine's CPU type).
+  """
+  head = ("| optimizer | config | lr | val ppl (mean ± std) | seeds | state, this preset "
+          "| state, moe-6.78b |")
+  lines = [head + (" step time ÷ AdamW |" if step_time else ""),
+           "|---" * (7 + step_time) + "|"]
   for r in rows:
-    ratio = f"{r['step_time_ratio_to_adamw']:.2f}" if r["step_time_ratio_to_adamw"] else "–"
-    lines.append(f"| {r['optimizer']} | {_config_cell(r)} | {r['lr']:.2e} | "
-                 f"{r['val_ppl_mean']:.2f} ± {r['val_ppl_std']:.2f} "
-                 f"| {r['opt_state_bytes_small'] / 1e6:.2f} MB "
-                 f"| {r['opt_state_bytes_6p78b'] / 1e9:.3f} GB | {ratio} |")
+    seeds = ", ".join(f"{p:.2f}" for p in r.get("val_ppl_by_seed", ())) or "–"
+    line = (f"| {r['optimizer']} | {_config_cell(r)} | {r['lr']:.2e} | "
+            f"{r['val_ppl_mean']:.2f} ± {r['val_ppl_std']:.2f} | {seeds} "
+            f"| {r['opt_state_bytes_small'] / 1e6:.2f} MB "
+            f"| {r['opt_state_bytes_6p78b'] / 1e9:.3f} GB |")
+    if step_time:
+      ratio = f"{r['step_time_ratio_to_adamw']:.2f}" if r["step_time_ratio_to_adamw"] else "–"
+      line += f" {ratio} |"
+    lines.append(line)
   return "\n".join(lines)
+
+
+def machine_text() -> str:
+  """The CPU model and core count (figures of a comparison vary across CPU types)."""
+  model = platform.processor() or platform.machine()
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        model = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return f"{model}, {os.cpu_count()} cores"
+
+
+def ordering(a: dict, b: dict, multiple: float = NOISE_MULTIPLE) -> tuple[str, float]:
+  """``("lower" | "higher" | "within noise", margin)`` of ``a``'s mean perplexity against ``b``'s.
+
+  ``margin`` is ``|difference| / max(spreads)``: an ordering is reported only
+  above ``multiple``; below it the two are a tie at this many seeds.
+
+  Example:
+    >>> ordering({"val_ppl_mean": 100.0, "val_ppl_std": 2.0},
+    ...          {"val_ppl_mean": 110.0, "val_ppl_std": 1.0})
+    ('lower', 5.0)
+    >>> ordering({"val_ppl_mean": 100.0, "val_ppl_std": 2.0},
+    ...          {"val_ppl_mean": 103.0, "val_ppl_std": 1.0})
+    ('within noise', 1.5)
+  """
+  diff = a["val_ppl_mean"] - b["val_ppl_mean"]
+  spread = max(a["val_ppl_std"], b["val_ppl_std"])
+  margin = abs(diff) / spread if spread > 0 else math.inf
+  if margin <= multiple:
+    return "within noise", margin
+  return ("lower" if diff < 0 else "higher"), margin
+
+
+def verdict_text(rows: Sequence[dict]) -> str:
+  """SkewAdam's default against AdamW and against Muon: an ordering, or "within noise".
+
+  Each pair is ordered only when its difference exceeds :data:`NOISE_MULTIPLE`
+  times the larger seed spread (std), so a verdict does not flip with the CPU
+  type, whose code changes the seeds' results.
+  """
+  default = next((r for r in rows if r["optimizer"] == "skewadam" and is_default(r)), None)
+  if default is None:
+    return "No row of SkewAdam's default: no verdict."
+  parts = []
+  for other in ("adamw", "muon"):
+    row = next((r for r in rows if r["optimizer"] == other), None)
+    if row is None:
+      continue
+    order, margin = ordering(default, row)
+    diff = default["val_ppl_mean"] - row["val_ppl_mean"]
+    if order == "within noise":
+      parts.append(f"against {other}: within noise (difference {diff:+.2f}, "
+                   f"{margin:.1f}x the larger seed spread, at most {NOISE_MULTIPLE}x)")
+    else:
+      parts.append(f"against {other}: {order} perplexity by {abs(diff):.2f} "
+                   f"({margin:.1f}x the larger seed spread)")
+  seeds = len(default.get("val_ppl_by_seed", ()))
+  return f"Verdict for SkewAdam's default ({seeds} seeds): " + "; ".join(parts) + "."
 
 
 def choice_text(rows: Sequence[dict]) -> str:
@@ -269,13 +348,15 @@ def choice_text(rows: Sequence[dict]) -> str:
     return (f"No SkewAdam configuration matches AdamW's validation perplexity "
             f"({adamw['val_ppl_mean']:.2f} ± {adamw['val_ppl_std']:.2f}).")
   within = choice["opt_state_bytes_6p78b"] <= STATE_BUDGET_6P78B
+  tie = ("; it matches AdamW only by the spread rule (a tie, not a win)"
+         if ordering(choice, adamw)[0] != "lower" else "")
   return (f"Chosen by `choose_default`: {_config_cell(choice, mark_default=False)}: "
           f"val ppl {choice['val_ppl_mean']:.2f} ± {choice['val_ppl_std']:.2f} against AdamW's "
           f"{adamw['val_ppl_mean']:.2f} ± {adamw['val_ppl_std']:.2f} "
           f"(difference {choice['val_ppl_mean'] - adamw['val_ppl_mean']:+.2f}), "
           f"state at moe-6.78b {choice['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"{adamw['opt_state_bytes_6p78b'] / choice['opt_state_bytes_6p78b']:.1f}x less than "
-          f"AdamW's {adamw['opt_state_bytes_6p78b'] / 1e9:.1f} GB"
+          f"AdamW's {adamw['opt_state_bytes_6p78b'] / 1e9:.1f} GB" + tie
           + (f"; the best perplexity within {STATE_BUDGET_6P78B / 1e9:.2f} GB."
              if within else f"; nothing within {STATE_BUDGET_6P78B / 1e9:.2f} GB matches "
              "AdamW, so the smallest state that does."))
@@ -416,15 +497,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m experiments.compare",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="small")
-  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS),
+  parser.add_argument("--optimizers", default=None,
                       help="comma-separated, from " + ", ".join(optimizers.OPTIMIZERS)
-                      + " (empty: only the --skewadam-configs rows)")
+                      + f" (default: all; with --quick {QUICK_OPTIMIZERS}; empty: only the "
+                      "--skewadam-configs rows)")
   parser.add_argument("--skewadam-configs", default="",
                       help="extra SkewAdam rows, ';'-separated, e.g. "
                       "'expert_m=int8;backbone_m=bf16,backbone_v=factored'")
   parser.add_argument("--ablation", action="store_true",
                       help="add SkewAdam's tier ablation (compare.ABLATION)")
-  parser.add_argument("--quick", action="store_true", help=f"budgets {QUICK}")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"budgets {QUICK}, {QUICK_OPTIMIZERS} at the rates of "
+                      "experiments/results/compare.json (no sweep unless --sweep-steps)")
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--sweep-steps", type=int, default=None)
   parser.add_argument("--seeds", default=None, help="comma-separated, e.g. 0,1")
@@ -463,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = json.loads(pathlib.Path(args.render).read_text())
     if kept is not None:
       rows = merge_rows(kept, rows)
-    return write(rows, pathlib.Path(args.out), write_json=kept is not None)
+    return write(rows, pathlib.Path(args.out), write_json=kept is not None,
+                 step_time=not args.quick)
   budget = dict(QUICK if args.quick else FULL)
   if args.steps:
     budget["steps"] = args.steps
@@ -471,8 +556,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget["sweep_steps"] = args.sweep_steps
   if args.seeds:
     budget["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+  names = args.optimizers
+  if names is None:
+    names = QUICK_OPTIMIZERS if args.quick else ",".join(optimizers.OPTIMIZERS)
+  # --quick trains at the tuned rates unless a sweep is asked for (--sweep-steps).
+  lr_from = args.lr_from or (TUNED_RATES if args.quick and not args.sweep_steps else None)
   try:
-    entries = parse_entries(args.optimizers, args.skewadam_configs)
+    entries = parse_entries(names, args.skewadam_configs)
     if args.ablation:
       entries += [("skewadam", c) for c in ABLATION]
     base = base_config(preset=args.preset, batch_size=args.batch_size, data=args.data,
@@ -484,21 +574,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                    log=lambda m: print(m, file=sys.stderr, flush=True),
                    keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress,
                    reuse_runs=args.reuse_runs,
-                   fixed_lrs=(json.loads(pathlib.Path(args.lr_from).read_text())
-                              if args.lr_from else None))
+                   fixed_lrs=(json.loads(pathlib.Path(lr_from).read_text())
+                              if lr_from else None))
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
-  return write(rows if kept is None else merge_rows(kept, rows), out)
+  machine = machine_text()
+  for row in rows:
+    row["machine"] = machine
+  return write(rows if kept is None else merge_rows(kept, rows), out, step_time=not args.quick)
 
 
 def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
-           name: str = "compare", shorter: Sequence[dict] | None = None) -> int:
+           name: str = "compare", shorter: Sequence[dict] | None = None,
+           step_time: bool = True) -> int:
   out.mkdir(parents=True, exist_ok=True)
   prefix = "" if name == "compare" else f"{name}-"
   if write_json:
     (out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
-  table = markdown_table(rows) + "\n\n" + choice_text(rows)
+  machines = sorted({r["machine"] for r in rows if r.get("machine")})
+  table = ((f"Machine: {'; '.join(machines)}\n\n" if machines else "")
+           + markdown_table(rows, step_time=step_time) + "\n\n" + verdict_text(rows)
+           + "\n\n" + choice_text(rows))
   if shorter is not None:
     table += "\n\nAgainst the shorter horizon:\n\n" + horizon_table(shorter, rows)
     plot_horizons(shorter, rows, out / f"{prefix}horizons.png")

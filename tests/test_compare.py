@@ -1,7 +1,9 @@
 """The comparison harness on `tiny`: protocol, JSON rows, table and plots; the defaults rule."""
 
 import json
+import os
 import pathlib
+import statistics
 
 import pytest
 
@@ -42,7 +44,7 @@ def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir
   assert all((r / "summary.json").exists() and not (r / "ckpt").exists() for r in runs)
   # --render redraws the same table from the JSON alone.
   assert compare.main(["--render", str(tmp_path / "cmp" / "compare.json"),
-                       "--out", str(tmp_path / "again")]) == 0
+                       "--out", str(tmp_path / "again"), "--quick"]) == 0
   assert (tmp_path / "again" / "compare.md").read_text() == table
   # --reuse-runs reads every finished run instead of training it again.
   def no_training(*args, **kwargs):
@@ -112,6 +114,38 @@ def test_choose_default_follows_the_stated_rule():
   assert compare.choose_default([adamw, big_good, mid, tiny_bad]) is mid
   assert compare.choose_default([adamw, tiny_bad]) is None
   assert compare.choose_default([big_good]) is None
+
+
+def _seeded(optimizer, seeds, **config):
+  row = _row(optimizer, statistics.mean(seeds), statistics.stdev(seeds), 1e9, **config)
+  return {**row, "val_ppl_by_seed": seeds}
+
+
+def test_the_verdict_orders_a_pair_only_outside_twice_the_seed_spread():
+  default = _seeded("skewadam", [100.0, 102.0, 104.0], **compare.resolve_config({}))
+  adamw = _seeded("adamw", [101.0, 104.0, 107.0])     # 4 apart, spread 3: a tie
+  muon = _seeded("muon", [80.0, 81.0, 82.0])         # 21 apart, spread 2
+  text = compare.verdict_text([adamw, default, muon])
+  assert text.startswith("Verdict for SkewAdam's default (3 seeds): ")
+  assert "against adamw: within noise (difference -2.00, 0.7x the larger seed spread" in text
+  assert "against muon: higher perplexity by 21.00 (10.5x the larger seed spread)" in text
+  assert compare.ordering(muon, default) == ("lower", 10.5)
+  # choose_default's choice matches AdamW only by the spread rule here: it says so.
+  adamw_row = {**adamw, "opt_state_bytes_6p78b": 54e9}
+  assert "matches AdamW only by the spread rule (a tie, not a win)" in compare.choice_text(
+      [adamw_row, {**default, "opt_state_bytes_6p78b": 1.2e9}])
+  clear = _seeded("skewadam", [90.0, 90.5, 91.0], **compare.resolve_config({}))
+  assert "tie" not in compare.choice_text([adamw_row, {**clear, "opt_state_bytes_6p78b": 1.2e9}])
+
+
+def test_the_quick_table_has_no_timing_and_names_the_machine():
+  row = {**_seeded("adamw", [101.0, 104.0]), "lr": 9e-3, "opt_state_bytes_small": 3e7,
+         "step_time_ratio_to_adamw": 1.0}
+  assert "step time" not in compare.markdown_table([row], step_time=False)
+  assert "| 101.00, 104.00 |" in compare.markdown_table([row], step_time=False)
+  assert "step time" in compare.markdown_table([row])
+  machine = compare.machine_text()
+  assert machine.endswith(f", {os.cpu_count()} cores") and len(machine) > len(" cores") + 3
 
 
 RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results" / "compare.json"
