@@ -492,8 +492,8 @@ def _plot_frontier(plt, rows, names, path):
   return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.compare",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="small")
@@ -537,7 +537,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--keep-rows-from", default=None, metavar="COMPARE_JSON",
                       help="add this saved comparison's rows that were not (re)run "
                       "(with --render: merge the two into OUT/compare.json)")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   write = functools.partial(
       _write, name=args.name,
       shorter=json.loads(pathlib.Path(args.shorter).read_text()) if args.shorter else None)

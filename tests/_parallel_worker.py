@@ -151,25 +151,33 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
   settings = dict(preset="tiny", update_in_backward=True, steps=3, batch_size=8, seq_len=16,
                   eval_batches=1, warmup_steps=1, data=str(corpus), log_every=1,
                   sample_tokens=0)
+
   def max_diff(a, b):
     return max(jax.tree.leaves(jax.tree.map(
         lambda x, y: float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))),
-        a["_params"], b["_params"])))
+        a, b)))
 
-  one = training.train(TrainConfig(**settings), tmp / "one", cache_dir=tmp / "tok",
-                       progress=False)
+  def steps_of(run):
+    """The references: ``run``'s own train step over the command's first 3 batches."""
+    params, state = run.init_state()
+    losses = []
+    for step in range(settings["steps"]):
+      params, state, metrics = run.train_step(params, state, *run.batch_at(step))
+      losses.append(float(metrics["loss"]))
+    return losses, params
+
   config = TrainConfig(mesh="data=2,expert=4", **settings)
   run = training.Run(config, cache_dir=tmp / "tok")
   sharded = training.train(config, tmp / "mesh", cache_dir=tmp / "tok", progress=False, run=run)
+  ref_losses, one = steps_of(training.Run(TrainConfig(**settings), cache_dir=tmp / "tok"))
   # The standard step's own mesh-against-one-device difference, for scale.
   standard = {**settings, "update_in_backward": False}
-  standard_one = training.train(TrainConfig(**standard), tmp / "std-one", cache_dir=tmp / "tok",
-                                progress=False)
-  standard_config = TrainConfig(mesh="data=2,expert=4", **standard)
-  standard_run = training.Run(standard_config, cache_dir=tmp / "tok")
-  standard_mesh = training.train(standard_config, tmp / "std-mesh", progress=False,
-                                 run=standard_run)
-  losses = lambda out: [r["loss"] for r in read_metrics(out / "metrics.jsonl", 3) if "loss" in r]
+  standard_run = training.Run(TrainConfig(mesh="data=2,expert=4", **standard),
+                              cache_dir=tmp / "tok")
+  _, standard_mesh = steps_of(standard_run)
+  _, standard_one = steps_of(training.Run(TrainConfig(**standard), cache_dir=tmp / "tok"))
+  losses = [r["loss"] for r in read_metrics(tmp / "mesh" / "metrics.jsonl", 3) if "loss" in r]
+
   def fingerprints(run):
     """(the command's compiled step, the planner's) for ``run``'s configuration."""
     params, state = run.init_state()
@@ -183,8 +191,8 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
 
   trained, planned = fingerprints(run)
   standard_trained, standard_planned = fingerprints(standard_run)
-  return {"losses": losses(tmp / "mesh"), "ref_losses": losses(tmp / "one"),
-          "max_param_diff": max_diff(sharded, one),
+  return {"losses": losses, "ref_losses": ref_losses,
+          "max_param_diff": max_diff(sharded["_params"], one),
           "standard_max_param_diff": max_diff(standard_mesh, standard_one),
           "trained_fingerprint": planner.step_fingerprint(trained),
           "planned_fingerprint": planned["fingerprint"],

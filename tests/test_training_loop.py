@@ -37,7 +37,7 @@ class StubRun:
   """What ``training.train`` uses of a ``Run``, with no model and no device work."""
 
   def __init__(self, config, *, bad_steps=()):
-    self.config = config
+    self.config = self.requested = config
     self.seq_len = 8
     self.events = []
     self.bad_steps = set(bad_steps)
