@@ -3,10 +3,11 @@
 A library module. :func:`build_step` is the one place that turns a run's
 configuration into its optimizer, its train and eval steps, its state's
 initialiser and the state's shardings: the training command, the SPMD
-layout, the memory planner, the GPU check, the multi-process run and the
-bench all take their step from it, so the planner plans exactly the step
-``train`` runs (``--skip-nonfinite``, stochastic rounding and
-``--update-in-backward`` included). The standard step is
+layout, the memory planner, the GPU check and the bench's train step take
+their step from it, so the planner plans exactly the step ``train`` runs
+(``--skip-nonfinite``, stochastic rounding and ``--update-in-backward``
+included; ``experiments.parallel``, a demonstration with its own optimizer
+flags, takes :func:`standard_step`). The standard step is
 :func:`make_step_fns`; the layerwise one is the library's
 :func:`skewadam_jax.layerwise.layerwise_step` through the model's adapter
 (:mod:`models.layerwise`). The planners and the per-parameter plan read the
