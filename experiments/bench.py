@@ -375,8 +375,8 @@ def markdown(update: dict, train: dict | None) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.bench",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=6)
@@ -400,7 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--update-temp", action="store_true",
                       help="only report the XLA temp bytes of the update alone for moe-6.78b "
                            "on the A100-40GB target")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   if args.update_temp:
     planner.use_deviceless_gpu_environment()
     result = update_temp_bytes()

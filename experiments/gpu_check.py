@@ -101,13 +101,13 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="moe-6.78b")
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--seq", type=int, default=None)
+  parser.add_argument("--batch-size", "--batch", type=int, default=1, dest="batch_size")
+  parser.add_argument("--seq-len", "--seq", type=int, default=None, dest="seq_len")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--cap-gb", type=float, default=40.0, help="0: no cap")
   parser.add_argument("--optimizers", default="skewadam,adamw")
@@ -115,10 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="the step that updates each layer inside the backward pass")
   parser.add_argument("--clip-mode", default="exact", help="exact | stale")
   parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   if args.phase:  # a child process: one optimizer, a fresh memory pool
     cap = _cap_memory(args.cap_gb)
-    result = run_phase(args.preset, args.phase, batch=args.batch, seq=args.seq, steps=args.steps,
+    result = run_phase(args.preset, args.phase, batch=args.batch_size, seq=args.seq_len,
+                       steps=args.steps,
                        update_in_backward=args.update_in_backward, clip_mode=args.clip_mode)
     print(json.dumps({**cap, **result}), flush=True)
     return 0
@@ -126,9 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   # not leak into the other.
   for name in args.optimizers.split(","):
     cmd = [sys.executable, "-m", "experiments.gpu_check", "--phase", name, "--preset", args.preset,
-           "--batch", str(args.batch), "--steps", str(args.steps), "--cap-gb", str(args.cap_gb)]
-    if args.seq:
-      cmd += ["--seq", str(args.seq)]
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+           "--cap-gb", str(args.cap_gb)]
+    if args.seq_len:
+      cmd += ["--seq-len", str(args.seq_len)]
     if args.update_in_backward:
       cmd += ["--update-in-backward", "--clip-mode", args.clip_mode]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -78,7 +78,7 @@ def _human(nbytes: int) -> str:
 STEP_FIELDS = ("update_in_backward", "clip_mode", "skip_nonfinite", "stochastic_rounding")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
                                    description=__doc__.split("\n\n")[0],
                                    epilog="--table FILE.json ...: print reports as a Markdown "
@@ -88,8 +88,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
   parser.add_argument("--target", default="a100-40gb",
                       help=f"one of {', '.join(planner.ALL_TARGETS)}")
-  parser.add_argument("--batch", type=int, default=1, help="global batch (sequences)")
-  parser.add_argument("--seq", type=int, default=None, help="default: the preset's max_seq_len")
+  parser.add_argument("--batch-size", "--batch", type=int, default=1, dest="batch_size",
+                      help="global batch (sequences)")
+  parser.add_argument("--seq-len", "--seq", type=int, default=None, dest="seq_len",
+                      help="default: the preset's max_seq_len")
   parser.add_argument("--margin-gb", type=float, default=2.0)
   parser.add_argument("--param-dtype", default="bfloat16")
   parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
@@ -123,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
     return 0
   try:
-    args, file_values = config_lib.parse_with_config_file(_parser(), argv)
+    args, file_values = config_lib.parse_with_config_file(build_parser(), argv)
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
@@ -133,8 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.optimizer not in optimizers.OPTIMIZERS:
       raise ValueError(f"unknown optimizer {args.optimizer!r}; "
                        f"choose from {', '.join(optimizers.OPTIMIZERS)}")
-    report = plan(args.preset, args.optimizer, target=args.target, batch=args.batch,
-                  seq=args.seq, margin_gb=args.margin_gb,
+    report = plan(args.preset, args.optimizer, target=args.target, batch=args.batch_size,
+                  seq=args.seq_len, margin_gb=args.margin_gb,
                   skewadam_tiers=config_lib.tiers_from_args(args),
                   param_dtype=jnp.dtype(args.param_dtype), search_batch=not args.no_search,
                   update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,

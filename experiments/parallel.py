@@ -115,8 +115,8 @@ def _print_report(result: dict) -> None:
           "entries off by more than 1e-5)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(
       prog="python -m experiments.parallel", description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="tiny")
@@ -139,7 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="write the final parameters to this .npz (process 0)")
   parser.add_argument("--json", action="store_true", help="print JSON only")
   distributed.add_distributed_flags(parser)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   try:
     distributed.initialize_distributed(args.coordinator_address, args.num_processes,
                            args.process_id)

@@ -46,8 +46,8 @@ def load_run(run_dir: str | pathlib.Path):
   return config, graphdef, rest, params, Tokenizer.from_file(str(tokenizer_path)), step
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.sample",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--run", required=True, help="a training run's --out folder")
@@ -56,7 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--temperature", type=float, default=1.0, help="0: the most likely token")
   parser.add_argument("--top-k", type=int, default=40, help="0: no cut")
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   try:
     if args.max_tokens < 1 or args.top_k < 0 or not args.temperature >= 0:
       raise ValueError("--max-tokens must be >= 1, --top-k >= 0 and --temperature >= 0")

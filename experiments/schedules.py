@@ -215,8 +215,8 @@ def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True) -> int:
   return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.schedules",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="small")
@@ -239,7 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="read finished or diverged runs of the same configuration")
   parser.add_argument("--render", default=None, metavar="SCHEDULES_JSON",
                       help="run nothing: redraw the table and plots of a saved schedules.json")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   out = pathlib.Path(args.out)
   if args.render:
     return _write(json.loads(pathlib.Path(args.render).read_text()), out, write_json=False)

@@ -23,8 +23,8 @@ from experiments import optimizers
 from experiments.accounting import per_leaf, per_leaf_markdown, state_bytes
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  experiments.use_cpu_without_gpu()
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.state_bytes",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="moe-6.78b")
@@ -39,7 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="the parameters' dtype (the comparison's moe-6.78b figures: "
                       "bfloat16)")
   config_lib.add_flags(parser, config_lib.TIER_FIELDS)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  experiments.use_cpu_without_gpu()
+  args = build_parser().parse_args(argv)
   tiers = config_lib.tiers_from_args(args)
   param_dtype = jnp.dtype(args.param_dtype)
   if args.per_leaf:

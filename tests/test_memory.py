@@ -116,7 +116,7 @@ def test_gpu_check_phase_runs_tiny_steps_on_any_device(update_in_backward):
 
 
 def test_tier_flags_become_skewadam_tier_configs():
-  args = memory._parser().parse_args([  # pylint: disable=protected-access
+  args = memory.build_parser().parse_args([
       "--expert-momentum", "int8", "--backbone-momentum", "fp32",
       "--backbone-second-moment", "exact", "--expert-direction", "orthogonal"])
   assert config_lib.tiers_from_args(args) == {

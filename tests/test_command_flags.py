@@ -1,0 +1,54 @@
+"""One set of flag names: every command spells a setting as the training command does.
+
+Each command (``python -m experiments.NAME``) exposes ``build_parser()``. A
+flag whose destination is a :class:`~experiments.config.TrainConfig` field
+must be that field's flag (``--batch-size`` for ``batch_size``; older
+spellings such as the planner's ``--batch`` stay as aliases), and a flag
+string means the same setting in every command that has it.
+"""
+
+import dataclasses
+import importlib
+
+import pytest
+
+from experiments.config import TrainConfig
+from tests.test_experiments_layout import COMMANDS as COMMAND_MODULES
+
+# The commands, and the data library's own command line (python -m experiments.data).
+COMMANDS = sorted(COMMAND_MODULES | {"data"})
+FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _actions():
+  for name in COMMANDS:
+    parser = importlib.import_module(f"experiments.{name}").build_parser()
+    for action in parser._actions:  # pylint: disable=protected-access
+      if action.option_strings:
+        yield name, action
+
+
+@pytest.fixture(scope="module")
+def actions():
+  return list(_actions())
+
+
+def test_every_training_setting_has_the_training_flag_in_every_command(actions):
+  wrong = [(name, a.option_strings) for name, a in actions
+           if a.dest in FIELDS and "--" + a.dest.replace("_", "-") not in a.option_strings]
+  assert not wrong
+
+
+def test_a_flag_means_one_setting_in_every_command(actions):
+  dests = {}
+  for name, action in actions:
+    for option in action.option_strings:
+      dests.setdefault(option, {})[name] = action.dest
+  conflicts = {o: d for o, d in dests.items() if len(set(d.values())) > 1}
+  assert not conflicts
+
+
+def test_the_planner_keeps_its_old_spellings_as_aliases():
+  from experiments import memory  # pylint: disable=import-outside-toplevel
+  args = memory.build_parser().parse_args(["--batch", "4", "--seq", "128"])
+  assert (args.batch_size, args.seq_len) == (4, 128)
