@@ -188,6 +188,16 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
   return train_step, eval_step
 
 
+def abstract_split(model_config: models.ModelConfig):
+  """(graphdef, abstract params, abstract rest, declared axes) of a model, nothing allocated.
+
+  Params and rest are pure ``ShapeDtypeStruct`` trees (no Variables).
+  """
+  model = nnx.eval_shape(lambda: models.Transformer(model_config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdef, nnx.as_pure(params), nnx.as_pure(rest), models.logical_axes(params)
+
+
 def abstract_model(preset: str, param_dtype=None, **overrides):
   """(model config, graphdef, abstract params, abstract rest), nothing allocated.
 
@@ -197,18 +207,13 @@ def abstract_model(preset: str, param_dtype=None, **overrides):
   if param_dtype is not None:
     overrides["param_dtype"] = param_dtype
   config = models.get_preset(preset, **overrides)
-  model = nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  return config, graphdef, nnx.as_pure(params), nnx.as_pure(rest)
+  graphdef, params, rest, _ = abstract_split(config)
+  return config, graphdef, params, rest
 
 
 def abstract_step(config) -> tuple[TrainStep, Any, Any]:
   """``(step, params, opt_state)`` of ``config``'s run, shapes only (nothing allocated)."""
-  model_config = config.model_config()
-  model = nnx.eval_shape(lambda: models.Transformer(model_config, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  axes = models.logical_axes(params)
-  params = nnx.as_pure(params)
+  graphdef, params, rest, axes = abstract_split(config.model_config())
   step = build_step(config, graphdef, rest, params, axes)
   return step, params, jax.eval_shape(step.init, params)
 

@@ -168,10 +168,9 @@ class Run:
 def abstract_run_state(config: TrainConfig):
   """``(graphdef, rest, params, opt_state)`` of a run, shapes only: what its
   checkpoints restore onto (e.g. to sample from one), with no data read."""
-  graphdef, params, rest = nnx.split(nnx.eval_shape(
-      lambda: models.Transformer(config.model_config(), rngs=nnx.Rngs(0))), nnx.Param, ...)
-  _, params, opt_state = steps_lib.abstract_step(config)
-  return graphdef, nnx.as_pure(rest), params, opt_state
+  graphdef, params, rest, axes = steps_lib.abstract_split(config.model_config())
+  step = steps_lib.build_step(config, graphdef, rest, params, axes)
+  return graphdef, rest, params, jax.eval_shape(step.init, params)
 
 
 def _summary_bytes(state) -> dict[str, int]:

@@ -118,15 +118,20 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
   }
 
 
-def train_command(tmp: pathlib.Path) -> dict:
-  """`experiments.train` with --mesh and --fsdp: runs, evaluates, checkpoints sharded arrays."""
-  corpus = tmp / "corpus"
-  corpus.mkdir()
-  rng = np.random.default_rng(0)
+def _write_corpus(folder: pathlib.Path, seed: int) -> pathlib.Path:
+  """Three small generated 'works' (tokenizer training is instant)."""
+  folder.mkdir()
+  rng = np.random.default_rng(seed)
   words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
   for name in ("first", "second", "third"):
-    (corpus / f"{name}.txt").write_text(
+    (folder / f"{name}.txt").write_text(
         "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(200)))
+  return folder
+
+
+def train_command(tmp: pathlib.Path) -> dict:
+  """`experiments.train` with --mesh and --fsdp: runs, evaluates, checkpoints sharded arrays."""
+  corpus = _write_corpus(tmp / "corpus", seed=0)
   config = TrainConfig(
       preset="tiny", mesh="data=2,expert=4", fsdp=True, steps=3, batch_size=4, seq_len=16,
       eval_batches=1, warmup_steps=1, data=str(corpus))
@@ -141,13 +146,7 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
   """`experiments.train --mesh data=2,expert=4 --update-in-backward` against one device,
   and the memory planner's compiled step for that configuration against the command's."""
   from experiments import planner  # pylint: disable=import-outside-toplevel
-  corpus = tmp / "corpus-layerwise"
-  corpus.mkdir()
-  rng = np.random.default_rng(1)
-  words = ["thou", "art", "the", "king", "and", "queen", "of", "love", "night", "day"]
-  for name in ("first", "second", "third"):
-    (corpus / f"{name}.txt").write_text(
-        "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(200)))
+  corpus = _write_corpus(tmp / "corpus-layerwise", seed=1)
   settings = dict(preset="tiny", update_in_backward=True, steps=3, batch_size=8, seq_len=16,
                   eval_batches=1, warmup_steps=1, data=str(corpus), log_every=1,
                   sample_tokens=0)
