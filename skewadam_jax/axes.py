@@ -51,9 +51,16 @@ class MatrixAxes(NamedTuple):
       or a tuple of axes flattened into the rows.
     cols: the axis of the columns (``d_out``), or a tuple of axes; ``sign``
       bits are packed and ``int8`` blocks run along the (last) column axis.
+    layer: optionally, the batch axis a scanned model stacks its layers on.
+      The orthogonal direction steps a leaf with two or more batch axes one
+      slice of this axis at a time (``None``: its first batch axis), so a
+      MaxText bank ``[E, L, d, f]`` declared ``MatrixAxes(2, 3, layer=1)``
+      is stepped a layer at a time, not an expert at a time. It changes no
+      other tier's arithmetic.
   """
   rows: Union[int, tuple[int, ...]] = -2
   cols: Union[int, tuple[int, ...]] = -1
+  layer: Optional[int] = None
 
   @property
   def row_axes(self) -> tuple[int, ...]:
@@ -102,7 +109,10 @@ def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
   """
   if entry is None:
     return None
-  if type(entry).__name__ == "MuonDimensionNumbers":
+  layer = None
+  if isinstance(entry, MatrixAxes):
+    rows, cols, layer = entry
+  elif type(entry).__name__ == "MuonDimensionNumbers":
     rows, cols = entry.reduction_axis, entry.output_axis
   elif isinstance(entry, tuple) and len(entry) == 2:
     rows, cols = entry
@@ -124,8 +134,17 @@ def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
     twice = sorted({a for a in named if named.count(a) > 1})
     raise ValueError(f"Matrix axes for {path!r} name axis {twice[0]} twice; a "
                      "matrix needs distinct row and column axes.")
+  if layer is not None:
+    if not _is_axis_or_axes(layer) or not isinstance(layer, int) or not -ndim <= layer < ndim:
+      raise ValueError(f"The layer axis {layer!r} for {path!r} is not an axis of its "
+                       f"shape {tuple(shape)}.")
+    layer %= ndim
+    if layer in named:
+      raise ValueError(f"The layer axis {layer} for {path!r} is one of its matrix axes "
+                       f"{(rows, cols)}; it must be a batch axis.")
   # One axis a side stays an int: the form every single-axis declaration had.
-  return MatrixAxes(rows[0] if len(rows) == 1 else rows, cols[0] if len(cols) == 1 else cols)
+  return MatrixAxes(rows[0] if len(rows) == 1 else rows, cols[0] if len(cols) == 1 else cols,
+                    layer)
 
 
 def default_matrix_axes(tree):

@@ -117,10 +117,15 @@ def rank_one_squeezed(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.A
           * jax.lax.broadcast_in_dim(col, tuple(shape), col_dims))
 
 
-def ema(old: jax.Array, mean: jax.Array, decay) -> jax.Array:
-  """``decay·old + (1 − decay)·mean``, stored in ``old``'s dtype."""
+def ema(old: jax.Array, mean: jax.Array, decay, complement=None) -> jax.Array:
+  """``decay·old + (1 − decay)·mean``, stored in ``old``'s dtype.
+
+  ``complement`` is ``1 − decay`` when the caller has it more exactly than
+  ``1 − decay`` in float32 (a Python float's complement, rounded once).
+  """
   compute = jnp.promote_types(jnp.float32, old.dtype)  # float64 statistics stay float64
-  return (decay * old.astype(compute) + (1 - decay) * mean).astype(old.dtype)
+  complement = 1 - decay if complement is None else complement
+  return (complement * mean + decay * old.astype(compute)).astype(old.dtype)
 
 
 def _sum_groups(xs: Sequence[jax.Array], axis: int) -> tuple[jax.Array, ...]:

@@ -252,7 +252,9 @@ def scanned_matrix_axes(stack: StackSpec, layer_axis: LayerAxis = 0) -> Callable
   across layers. With this spec, a stacked leaf is a matrix over its last two
   axes other than the layer axis (and not a matrix if it has fewer), the
   other leaves keep the default guess, so the standard step's optimizer
-  treats every leaf as :func:`layerwise_step`'s does.
+  treats every leaf as :func:`layerwise_step`'s does. The layer axis is
+  declared too (``MatrixAxes.layer``): the orthogonal direction steps a bank
+  stacked over layers and experts one layer at a time.
 
   Args:
     stack, layer_axis: as for :func:`layerwise_step`.
@@ -266,7 +268,7 @@ def scanned_matrix_axes(stack: StackSpec, layer_axis: LayerAxis = 0) -> Callable
     ...           "head": jnp.ones((8, 3))}
     >>> axes = scanned_matrix_axes("blocks")(params)
     >>> axes["blocks"]["b"] is None, axes["blocks"]["w"], axes["head"]
-    (True, MatrixAxes(rows=1, cols=2), MatrixAxes(rows=0, cols=1))
+    (True, MatrixAxes(rows=1, cols=2, layer=0), MatrixAxes(rows=0, cols=1, layer=None))
   """
   in_stack = _stack_predicate(stack)
 
@@ -275,12 +277,12 @@ def scanned_matrix_axes(stack: StackSpec, layer_axis: LayerAxis = 0) -> Callable
     out = []
     for path, leaf in zip(paths, leaves):
       ndim = len(np.shape(leaf))
+      axis = None
       if in_stack(path):
         axis = (layer_axis(path) if callable(layer_axis) else layer_axis) % ndim
-        kept = [a for a in range(ndim) if a != axis]
-      else:
-        kept = list(range(ndim))
-      out.append(axes_lib.MatrixAxes(rows=kept[-2], cols=kept[-1]) if len(kept) >= 2 else None)
+      kept = [a for a in range(ndim) if a != axis]
+      out.append(axes_lib.MatrixAxes(rows=kept[-2], cols=kept[-1], layer=axis)
+                 if len(kept) >= 2 else None)
     return treedef.unflatten(out)
   return spec
 

@@ -387,7 +387,8 @@ def _reductions(plan: LeafPlan, g_sq, m, *, grouped: bool):
   if not grouped:
     nu_means = None if g_sq is None else factored.squeezed_means(g_sq, plan.axes)
     return nu_means, plan.encoding.encode(m, plan.axes) if sign else None
-  xs = [x for x in (g_sq, jnp.abs(m) if sign else None) if x is not None]
+  xs = [x for x in (g_sq, encodings.SignEncoding.size_statistic(m) if sign else None)
+        if x is not None]
   weights = [encodings.SignEncoding.bit_weights(m)] if sign else []
   means, group_sums = factored.row_col_means_grouped(xs, weights)
   nu_means = factored.squeeze(*means[0], plan.axes) if g_sq is not None else None
@@ -405,7 +406,7 @@ GROUPED_MIN_SIZE = 2**14
 
 def _groupable(plan: LeafPlan, leaf) -> bool:
   ndim = leaf.ndim
-  return (plan.axes == axes_lib.MatrixAxes(ndim - 2, ndim - 1)
+  return ((plan.axes.rows, plan.axes.cols) == (ndim - 2, ndim - 1)
           and math.prod(leaf.shape) >= GROUPED_MIN_SIZE
           and _explicit.explicit_spec(leaf) is None)
 
@@ -428,22 +429,47 @@ def _clip_rms(update, plan: LeafPlan, threshold):
   return update / jnp.maximum(1.0, rms / threshold)
 
 
+def _decay(rate) -> tuple[Any, Any]:
+  """``(rate, 1 − rate)`` as the step uses them.
+
+  A concrete rate stays a Python float, as in optax's moments and bias
+  corrections: ``1 − rate`` is then taken before any rounding (``fp32(1 −
+  0.999)`` is not ``1 − fp32(0.999)``, 1.3e-5 apart relative) and ``rate^t``
+  is computed as optax computes it, so fp32 tiers repeat ``optax.adamw`` bit
+  for bit. An injected (traced) rate may arrive in the params' dtype, so it
+  is cast to float32 first. (A b2 that already rounded to 1, as 0.999 does
+  in bf16, cannot be recovered: inject with ``hyperparam_dtype=float32``.)
+  """
+  if isinstance(rate, numbers.Real):
+    return float(rate), 1.0 - float(rate)
+  rate = jnp.asarray(rate, jnp.float32)
+  return rate, 1 - rate
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_correction(rate, count):
+  """``1 − rate^t``, traced as optax traces it (a jitted power of a weak float:
+  XLA:CPU's eager power rounds differently, about 2e-5 relative at t = 3)."""
+  return 1 - rate**count
+
+
 def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
                factored_eps, count, nesterov=False, clip_threshold=None,
                contain_nonfinite=False):
   """One leaf's Adam step in float32 (complex64); returns (update, new parts).
 
-  A float64 ``nu_dtype`` (under ``jax_enable_x64``) computes the second moment
-  and the division in float64.
+  ``b1`` and ``b2`` are :func:`_decay` pairs. A float64 ``nu_dtype`` (under
+  ``jax_enable_x64``) computes the second moment and the division in float64.
   """
   if plan.orthogonal:
     return _orthogonal_step(plan, g, parts, b1=b1, contain_nonfinite=contain_nonfinite)
+  (b1, c1), (b2, c2) = b1, b2
   g32 = g.astype(jnp.complex64 if jnp.iscomplexobj(g) else jnp.float32)
   if contain_nonfinite:
     g32 = _finite_entries(g32)
   encoding = plan.encoding
   sign = isinstance(encoding, encodings.SignEncoding)
-  m = None if encoding is None else (1 - b1) * g32 + b1 * encoding.decode(parts, plan.axes)
+  m = None if encoding is None else c1 * g32 + b1 * encoding.decode(parts, plan.axes)
   g_sq = _square(g32)
   new = {}
   nu_means = sign_parts = None
@@ -459,29 +485,34 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   wide = jnp.promote_types(jnp.float32, plan.nu_dtype)  # float64 stays float64
   if plan.factored:
     old_row, old_col = factored.squeeze(parts["nu_row"], parts["nu_col"], plan.axes)
-    row = factored.ema(old_row, nu_means[0], b2)
-    col = factored.ema(old_col, nu_means[1], b2)
+    row = factored.ema(old_row, nu_means[0], b2, c2)
+    col = factored.ema(old_col, nu_means[1], b2, c2)
     new["nu_row"] = jnp.expand_dims(row, plan.axes.cols)
     new["nu_col"] = jnp.expand_dims(col, plan.axes.rows)
     v = factored.rank_one_squeezed(row.astype(wide), col.astype(wide), plan.axes)
   else:
     g_wide = g32.astype(jnp.promote_types(g32.dtype, wide))
-    # ((1 − b2)·g)·g for real g: the order of the first release, so runs repeat.
-    weighted = ((1 - b2) * _square(g_wide) if jnp.iscomplexobj(g32)
-                else (1 - b2) * g_wide * g_wide)
-    v = weighted + b2 * parts["nu"].astype(wide)
+    v = c2 * _square(g_wide) + b2 * parts["nu"].astype(wide)  # optax's order
     new["nu"] = v.astype(plan.nu_dtype)
-  v_hat = v / (1 - b2**count)
+  v_hat = v / _bias_correction(b2, count).astype(v.dtype)
   if encoding is None:
     m_hat = g32
   else:
     new.update(sign_parts if sign else encoding.encode(m, plan.axes))
     if nesterov:
       # optax.scale_by_adam(nesterov=True): each term with its own bias correction.
-      m_hat = b1 * m / (1 - b1**(count + 1)) + (1 - b1) * g32 / (1 - b1**count)
+      m_hat = (b1 * m / _bias_correction(b1, optax.safe_increment(count))
+               + c1 * g32 / _bias_correction(b1, count))
     else:
-      m_hat = m / (1 - b1**count)
-  update = _clip_rms(m_hat / (jnp.sqrt(v_hat + eps_root) + eps), plan, clip_threshold)
+      m_hat = m / _bias_correction(b1, count)
+  update = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+  if sign:
+    # The sign code has no zero: an entry whose gradient is exactly 0 would
+    # decode a momentum it never had and drift. Such an entry is not moved
+    # this step (LazyAdam's rule, for this encoding only); its momentum is
+    # still carried, so a sporadic zero pauses an entry rather than resets it.
+    update = jnp.where(g32 == 0, jnp.zeros((), update.dtype), update)
+  update = _clip_rms(update, plan, clip_threshold)
   return update.astype(g.dtype), new
 
 
@@ -495,13 +526,14 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
   first steps (about 9 % at step 2 with b1 = 0.9) and agree once ``b1^t`` is
   negligible. A leaf stacked
   over two or more batch axes (layers × experts) is stepped one slice of its
-  first batch axis at a time, so that the iteration's float32 temporaries are
-  one layer's bank, not the whole stack's (26 GB a copy at ``moe-6.78b``);
-  the axes inside a slice (experts) stay vectorised, so an expert-sharded
-  bank is not gathered.
+  declared layer axis (``MatrixAxes.layer``; else its first batch axis) at a
+  time, so that the iteration's float32 temporaries are one layer's bank,
+  not the whole stack's (26 GB a copy at ``moe-6.78b``); the axes inside a
+  slice (experts) stay vectorised, so an expert-sharded bank is not gathered.
   """
   names = [] if plan.encoding is None else [
       n for n in encodings.MOMENTUM_FIELDS if not is_placeholder(parts[n])]
+  b1, c1 = b1
 
   def step(g_s, momentum, axes):
     g32 = g_s.astype(jnp.float32)
@@ -511,8 +543,8 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
     if plan.encoding is None:
       nesterov = g32
     else:
-      m = (1 - b1) * g32 + b1 * plan.encoding.decode(momentum, axes)
-      nesterov = b1 * m + (1 - b1) * g32
+      m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
+      nesterov = b1 * m + c1 * g32
       new = plan.encoding.encode(m, axes)
     update = orthogonal.newton_schulz(nesterov, axes) * orthogonal.adam_rms_scale(
         g_s.shape, axes)
@@ -523,7 +555,7 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
   momentum = {n: parts[n] for n in names}
   if len(batch) < 2:
     return step(g, momentum, plan.axes)
-  outer = batch[0]
+  outer = batch[0] if plan.axes.layer is None else plan.axes.layer
   shift = lambda side: (side - (side > outer) if isinstance(side, int)  # noqa: E731
                         else tuple(a - (a > outer) for a in side))
   inner = axes_lib.MatrixAxes(shift(plan.axes.rows), shift(plan.axes.cols))
@@ -755,10 +787,7 @@ def scale_by_skewadam(
           f"SkewAdam's update got a {type(state).__name__} state, not the "
           "ScaleBySkewAdamState its init makes: a state from another optimizer "
           "(e.g. optax.adamw) cannot be continued by SkewAdam; init a new one.")
-    # Injected hyperparameters may arrive in the params' dtype; b1**t and
-    # b2**t are computed in fp32. (A b2 that already rounded to 1, as 0.999
-    # does in bf16, cannot be recovered: inject with hyperparam_dtype=float32.)
-    b1_, b2_ = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
+    b1_, b2_ = _decay(b1), _decay(b2)
     paths, grads, treedef = labels_lib.flatten_with_paths(updates)
     field_leaves = {}
     for name in FIELDS:

@@ -368,11 +368,16 @@ def test_inject_hyperparams_matches_plain(cfg, hp_dtype):
     # u + λθ and the product with lr to bf16, the injected one only u + λθ:
     # allow 2 bf16 ulps of the result, and of an update of size lr where u and
     # λθ nearly cancel.
+    # An injected b2 is a float32 value, so its 1 − b2 is rounded twice
+    # (4.7e-5 relative at 0.999), where the plain run's Python float is
+    # rounded once; optax.inject_hyperparams(optax.adam) differs from
+    # optax.adam the same way.
+    injected_b = dict(rtol=1e-4, atol=1e-8) if cfg.dtype == "float32" else tol(cfg)
     loose = (dict(rtol=2.0**-6, atol=2 * LR * 2.0**-7) if updates_dtype != cfg.jdtype
-             else tol(cfg))
+             else injected_b)
     assert_trees_close(u, u_ref, **loose, what=f"step {i + 1} updates", check_dtypes=False)
     assert {x.dtype for x in jax.tree.leaves(u)} == {updates_dtype}
-    assert_trees_close(s.inner_state, s_ref, **tol(cfg), what=f"step {i + 1} state")
+    assert_trees_close(s.inner_state, s_ref, **injected_b, what=f"step {i + 1} state")
 
 
 @inject_table

@@ -234,11 +234,12 @@ def test_a_head_that_does_not_return_a_scalar_loss_is_refused():
 def test_scanned_matrix_axes_set_the_layer_axis_aside():
   params = example.init_params()
   spec = layerwise.scanned_matrix_axes("blocks")(params)
-  assert spec["blocks"]["router"] == skewadam_jax.MatrixAxes(1, 2)
-  assert spec["blocks"]["experts"] == skewadam_jax.MatrixAxes(2, 3)
+  assert spec["blocks"]["router"] == skewadam_jax.MatrixAxes(1, 2, layer=0)
+  assert spec["blocks"]["experts"] == skewadam_jax.MatrixAxes(2, 3, layer=0)
   moved = layerwise.scanned_matrix_axes("blocks", layer_axis=1)({"blocks": jnp.ones((2, 3, 4)),
                                                                   "b": jnp.ones((3, 2))})
-  assert moved == {"blocks": skewadam_jax.MatrixAxes(0, 2), "b": skewadam_jax.MatrixAxes(0, 1)}
+  assert moved == {"blocks": skewadam_jax.MatrixAxes(0, 2, layer=1),
+                   "b": skewadam_jax.MatrixAxes(0, 1)}
   assert layerwise.scanned_matrix_axes("blocks")({"blocks": jnp.ones((2, 3)),
                                                   "b": jnp.ones(3)}) == {"blocks": None,
                                                                          "b": None}

@@ -11,6 +11,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import skewadam_jax as sa
@@ -130,25 +131,94 @@ def test_bf16_momentum_warns_where_it_would_stall():
     sa.scale_by_skewadam(clip_threshold=0.0)
 
 
-def test_the_sign_encodings_update_is_about_half_of_fp32_momentums():
-  # Documented (encodings.py, README "Momentum encodings"): the sign encoding
-  # keeps each row's and column's mean |m| but not the per-entry spread, so
-  # on a stationary noisy gradient the expert tier's update RMS is about half
-  # of fp32 momentum's (same factored v): half the learning rate, in effect.
-  key = jax.random.PRNGKey(0)
-  signal = 0.3 * jax.random.normal(key, (64, 96))
-  grads = [signal + jax.random.normal(jax.random.fold_in(key, t), (64, 96)) for t in range(150)]
+STATIONARY = [0.3 * jax.random.normal(jax.random.PRNGKey(0), (64, 96))
+              + jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(0), t), (64, 96))
+              for t in range(150)]  # a fixed signal under unit noise
+CONSTANT = [jax.random.normal(jax.random.PRNGKey(5), (64, 96))] * 50
 
-  def rms_of_updates(momentum):
-    tx = sa.scale_by_skewadam(param_labels="expert",
-                              expert=sa.TierConfig(momentum, "factored"))
-    state, out = tx.init(grads[0]), []
-    step = jax.jit(tx.update)
-    for g in grads:
-      u, state = step(g, state)
-      out.append(float(jnp.sqrt(jnp.mean(u * u))))
-    return np.asarray(out[50:])
 
-  ratio = float(np.mean(rms_of_updates("sign") / rms_of_updates("fp32")))
-  print(f"sign / fp32 momentum update RMS: {ratio:.2f}")  # the README's figure (pytest -s)
-  assert 0.4 <= ratio <= 0.65, ratio
+def _expert_run(grads, momentum, second_moment="factored"):
+  """Per-step update RMS and decoded mean |m| of one expert matrix."""
+  tx = sa.scale_by_skewadam(param_labels="expert",
+                            expert=sa.TierConfig(momentum, second_moment))
+  state, rms, size = tx.init(grads[0]), [], []
+  step = jax.jit(tx.update)
+  for g in grads:
+    u, state = step(g, state)
+    rms.append(float(jnp.sqrt(jnp.mean(u * u))))
+    if momentum == "sign":
+      parts = {"mu": state.mu, "mu_row": state.mu_row, "mu_col": state.mu_col}
+      m = sa.get_encoding("sign").decode(parts, sa.MatrixAxes(0, 1))
+    else:
+      m = state.mu
+    size.append(float(jnp.mean(jnp.abs(m))))
+  skip = len(grads) // 3
+  return np.asarray(rms[skip:]), np.asarray(size[skip:])
+
+
+def test_the_sign_encoding_keeps_the_momentums_size():
+  # Documented (encodings.py, README "Momentum encodings"). The first
+  # releases' mean-|m| code shrank the carried momentum: update RMS 0.60x
+  # Adam's and decoded mean |m| 0.64x fp32's on this stationary gradient.
+  sign_rms, sign_size = _expert_run(STATIONARY, "sign")
+  adam_rms, _ = _expert_run(STATIONARY, "fp32", "exact")
+  fp32_rms, fp32_size = _expert_run(STATIONARY, "fp32")
+  to_adam = float(np.mean(sign_rms / adam_rms))
+  to_fp32 = float(np.mean(sign_rms / fp32_rms))
+  size = float(np.mean(sign_size / fp32_size))
+  print(f"sign momentum update RMS / Adam's: {to_adam:.2f}; / fp32 momentum's with the same "
+        f"factored v: {to_fp32:.2f}; decoded mean |m| / fp32's: {size:.2f}")  # pytest -s
+  # Measured 0.90 and 0.86: the per-entry spread of |m| is still lost.
+  assert 0.85 <= to_adam <= 1.1, to_adam
+  assert 0.8 <= to_fp32 <= 1.1, to_fp32
+  assert 0.9 <= size <= 1.1, size
+  _, sign_size = _expert_run(CONSTANT, "sign")
+  _, fp32_size = _expert_run(CONSTANT, "fp32")
+  np.testing.assert_allclose(sign_size[-1], fp32_size[-1], rtol=0.1)  # was far below
+
+
+@pytest.mark.parametrize("direction", ["adam", "orthogonal"])
+def test_entries_whose_gradient_is_always_zero_stay_put(direction):
+  # A pruned/masked entry: the sign code has no zero, and such an entry used
+  # to drift (-0.15 after 100 steps with the default tiers).
+  key = jax.random.PRNGKey(1)
+  params = {"moe": {"experts": 0.05 * jax.random.normal(key, (2, 16, 24))}}
+  mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.7, (2, 16, 24))
+  tx = sa.skewadam(1e-2, weight_decay=0.0,
+                   expert=sa.TierConfig("sign", "factored", direction=direction))
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, t):
+    g = {"moe": {"experts": mask * jax.random.normal(jax.random.fold_in(key, t), (2, 16, 24))}}
+    u, state = tx.update(g, state, params)
+    return optax.apply_updates(params, u), state
+
+  new = params
+  for t in range(100):
+    new, state = step(new, state, t)
+  moved = new["moe"]["experts"] - params["moe"]["experts"]
+  if direction == "adam":
+    np.testing.assert_array_equal(np.asarray(moved)[~np.asarray(mask)], 0.0)
+  else:  # Muon's direction mixes every entry of a matrix, as optax's muon does
+    assert np.abs(np.asarray(moved)[~np.asarray(mask)]).max() > 0
+  assert np.abs(np.asarray(moved)[np.asarray(mask)]).min() > 0
+
+
+def test_fp32_exact_tiers_keep_adams_state_bit_for_bit():
+  # 1 − b2 of a Python float is rounded once, as optax rounds it; taken from
+  # an fp32-rounded b2 it put v 1.3e-5 off (relative) after a few steps.
+  params = {"w": jnp.ones((4, 6)), "moe": {"experts": jnp.ones((2, 4, 6)),
+                                         "router": jnp.ones((4, 2))}, "b": jnp.zeros((6,))}
+  exact = sa.TierConfig("fp32", "exact")
+  ours = sa.scale_by_skewadam(b1=0.9, b2=0.999, backbone=exact, expert=exact, router=exact)
+  adam = optax.scale_by_adam(b1=0.9, b2=0.999)
+  s_ours, s_adam = ours.init(params), adam.init(params)
+  for t in range(8):
+    g = jax.tree.map(lambda x: 3 * jax.random.normal(jax.random.PRNGKey(t), x.shape), params)
+    u_ours, s_ours = jax.jit(ours.update)(g, s_ours)
+    u_adam, s_adam = jax.jit(adam.update)(g, s_adam)
+    jax.tree.map(np.testing.assert_array_equal, s_ours.mu, s_adam.mu)
+    jax.tree.map(np.testing.assert_array_equal, s_ours.nu, s_adam.nu)
+    # The division may be fused differently in the two graphs: an ulp or two.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-7), u_ours, u_adam)

@@ -129,3 +129,38 @@ def test_bad_direction_and_mask_are_named():
                                              "typo": False})
   with pytest.raises(ValueError, match="orthogonal_mask.*typo"):
     tx.init(_params())
+
+
+def _mapped_lengths(jaxpr) -> list[int]:
+  """The lengths of every scan (``lax.map``) in a jaxpr, nested ones included."""
+  lengths = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      lengths.append(eqn.params["length"])
+    for value in eqn.params.values():
+      sub = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+      if hasattr(sub, "eqns"):
+        lengths += _mapped_lengths(sub)
+  return lengths
+
+
+def test_the_orthogonal_loop_runs_over_the_declared_layer_axis():
+  # MaxText's scanned MoE bank [E, L, d, f] (param_scan_axis=1): 3 experts, 5 layers.
+  g = {"wi": jax.random.normal(jax.random.PRNGKey(0), (3, 5, 6, 8))}
+  orthogonal_tier = {"momentum": "fp32", "direction": "orthogonal"}
+  results = {}
+  for layer in (None, 1):
+    tx = sa.scale_by_skewadam(param_labels="expert", expert=orthogonal_tier,
+                              matrix_axes={"wi": sa.MatrixAxes(2, 3, layer=layer)})
+    state = tx.init(g)
+    results[layer] = tx.update(g, state)[0]["wi"]
+    jaxpr = jax.make_jaxpr(tx.update)(g, state).jaxpr
+    assert _mapped_lengths(jaxpr) == [3 if layer is None else 5]
+  # Each matrix is orthogonalised on its own either way.
+  want = sa.newton_schulz((1 - 0.9) * g["wi"] * (1 + 0.9), sa.MatrixAxes(2, 3))
+  for got in results.values():
+    np.testing.assert_allclose(got, want * 0.2 * np.sqrt(8), rtol=2e-4, atol=2e-5)
+  with pytest.raises(ValueError, match=r"layer axis 2 for 'wi' is one of its matrix axes"):
+    sa.scale_by_skewadam(matrix_axes={"wi": sa.MatrixAxes(2, 3, layer=2)}).init(g)
+  with pytest.raises(ValueError, match=r"layer axis 7 for 'wi' is not an axis"):
+    sa.scale_by_skewadam(matrix_axes={"wi": sa.MatrixAxes(2, 3, layer=7)}).init(g)

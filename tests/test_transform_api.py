@@ -149,7 +149,7 @@ def test_float64_second_moment_needs_and_uses_64_bit_jax():
     for _ in range(3):
       _, state = tx.update(g, state)
     g64 = np.asarray(g, np.float64)
-    want, b2 = 0.0, np.float64(np.float32(0.999))  # b2 is taken in float32
+    want, b2 = 0.0, 0.999  # a Python float b2 is used in float64 as given
     for _ in range(3):
       want = b2 * want + (1 - b2) * g64 * g64
     assert state.nu.dtype == jnp.float64
