@@ -67,7 +67,7 @@ from skewadam_jax.transform import matrices_only
 from skewadam_jax.transform import scale_by_skewadam
 from skewadam_jax.transform import skewadam
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BACKBONE", "DEFAULT_BACKBONE", "DEFAULT_EXPERT", "DEFAULT_ROUTER", "DIRECTIONS",

@@ -15,7 +15,7 @@ is a tree shaped like the parameters):
 | int8   | int8 codes                                 | ``mu_scale``: float32 absmax per block of      | 1 + 4 / block_size     |
 |        |                                            | ``block_size`` along the matrix's columns      | (1.016 at 256)         |
 | sign   | sign bits, packed 8 to a uint8 along the   | ``mu_row``, ``mu_col``: float32 row and column | 1/8 + 4·(R + C)/(R·C)  |
-|        | columns (1 = negative)                     | means of ``|m|`` of each matrix                | (≈ 0.128 for 1024²)    |
+|        | columns (1 = negative)                     | means of ``m²`` of each matrix                 | (≈ 0.128 for 1024²)    |
 | none   | nothing: no momentum (``m_t = g_t``)       |                                                | 0                      |
 
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
@@ -26,14 +26,20 @@ Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
   with ``int8_code="mulaw"``: ``|x̃ − x| ≤ 2.2 %·(|x| + absmax/255)`` (see
   :class:`Int8BlockEncoding`).
 * sign: ``sign(x̃) = sign(x)`` wherever ``x ≠ 0``; each row and column of
-  ``|x̃|`` has the same mean as in ``|x|``; exact when ``|x|`` is rank one
-  (see :mod:`skewadam_jax.factored`). What it costs: the per-entry spread of
-  ``|m|`` is lost, so on a stationary noisy gradient the update's RMS is
-  about 0.58x that of fp32 momentum with the same factored ``v``
-  (``tests/test_numerics.py``), in effect about half the learning rate on
-  the tier that uses it; and an exact zero has no code (it decodes as
-  positive ``row·col/mean(row)``, so an entry whose gradient is always 0
-  drifts, unless its whole row or column is zero).
+  ``x̃`` has the same RMS as in ``x`` (the momentum keeps its size); exact
+  when ``|x|`` is rank one (see :mod:`skewadam_jax.factored`). What it
+  costs: one bit an entry, so the per-entry spread of ``|m|`` is lost. On a
+  stationary noisy gradient the expert tier's update RMS is 0.90x Adam's
+  (0.86x that of fp32 momentum with the same factored ``v``) and the decoded
+  mean ``|m|`` 1.07x fp32's (``tests/test_numerics.py``, ``pytest -s``);
+  on heavy-tailed (log-normal) magnitudes the update RMS is lower (about
+  0.77x Adam's) and the decoded mean ``|m|`` higher, since a rank-one size
+  cannot follow single large entries. There is no code for zero: in Adam's
+  direction an entry whose gradient is exactly 0 is not moved that step
+  (LazyAdam's rule), so an entry whose gradient is always 0 stays where it
+  is; its momentum is still carried. (The first releases kept each row's
+  mean ``|m|`` instead: the carried momentum shrank, to update RMS 0.60x
+  Adam's, and always-zero entries drifted.)
 
 ``sign`` and ``int8`` are *matrix* encodings: they run along the declared
 matrix axes (:mod:`skewadam_jax.axes`), and a leaf declared a vector stores

@@ -192,8 +192,8 @@ class ScaleBySkewAdamState(NamedTuple):
     nu_row: the factored second moment's row statistic (columns reduced to 1).
     nu_col: its column statistic (rows reduced to 1).
     mu_scale: int8 block scales.
-    mu_row: the sign encoding's row means of ``|m|``.
-    mu_col: its column means of ``|m|``.
+    mu_row: the sign encoding's row means of ``m²``.
+    mu_col: its column means of ``m²``.
   """
   count: jax.Array  # shape=(), dtype=jnp.int32.
   mu: optax.Updates
