@@ -26,7 +26,8 @@ import sys
 
 if __name__ == "__main__":
   # Before JAX is imported anywhere in this process.
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count=8 "
+                             f"{os.environ.get('XLA_FLAGS', '')}").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import ast  # noqa: E402

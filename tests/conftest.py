@@ -7,6 +7,11 @@ import os
 # the only runtime platform to compile for a GPU target).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The suite's compile flags (tests/_xla.py); subprocesses inherit them.
+from tests import _xla  # pylint: disable=wrong-import-position
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_xla.COMPILE_FLAGS}".strip()
+
 # First, so JAX starts without the CUDA plugin's start-up lines (experiments.startup).
 import experiments  # pylint: disable=wrong-import-position,unused-import
 import skewadam_jax  # pylint: disable=wrong-import-position,unused-import

@@ -44,6 +44,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import skewadam_jax as sa
+from tests import _xla
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "_explicit_sharding_worker.py"
@@ -521,7 +522,7 @@ def _sharding_worker(request):
     yield None
     return
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+  env.update(XLA_FLAGS=_xla.with_devices(8), JAX_PLATFORMS="cpu",
              PYTHONPATH=str(ROOT))
   proc = subprocess.Popen(
       [sys.executable, str(WORKER), json.dumps([c.as_json() for c in CONFIGS])],

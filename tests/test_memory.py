@@ -18,6 +18,7 @@ from experiments import hlo
 from experiments import memory
 from experiments import planner
 from experiments import optimizers
+from tests import _xla
 
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
@@ -183,7 +184,7 @@ def test_collective_bytes_multiply_loop_bodies_by_their_trip_count():
 def test_collective_bytes_of_known_collectives_on_8_cpu_devices():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=_xla.with_devices(8))
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_collectives_worker.py")],
                         env=env, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]

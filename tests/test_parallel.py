@@ -31,6 +31,7 @@ from experiments import distributed
 from experiments import mesh as mesh_lib
 from experiments import steps
 from experiments import train as train_lib
+from tests import _xla
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESH = AbstractMesh((2, 4), ("data", "expert"))
@@ -260,7 +261,7 @@ def one_device_params(tmp_path_factory):
 def eight_devices(one_device_params):
   proc = subprocess.run(
       [sys.executable, str(ROOT / "tests" / "_parallel_worker.py"), str(one_device_params)],
-      env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+      env=subprocess_env(XLA_FLAGS=_xla.with_devices(8)),
       capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -380,7 +381,7 @@ def test_two_processes_match_one(tmp_path, eight_devices, one_device_params):
       for i in range(2)]
   outputs = run_together(
       commands, tmp_path, cwd=ROOT,
-      env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+      env=subprocess_env(XLA_FLAGS=_xla.with_devices(2)))
   assert json_lines(outputs[1]) == []  # only process 0 reports
   [result] = json_lines(outputs[0])
   assert result["processes"] == 2 and result["devices"] == 4
