@@ -275,7 +275,7 @@ class SignEncoding(MomentumEncoding):
 
   def decode(self, parts, axes):
     negative = self.unpack(parts["mu"], axes.pack_axis, parts["mu_col"].shape[axes.pack_axis])
-    magnitude = jnp.sqrt(factored.rank_one(parts["mu_row"], parts["mu_col"], axes))
+    magnitude = factored.rank_one(parts["mu_row"], parts["mu_col"], axes, root=True)
     return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 
 

@@ -85,13 +85,22 @@ def squeeze(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> tuple[jax.Array
   return jnp.squeeze(row, axes.cols), jnp.squeeze(col, axes.rows)
 
 
-def rank_one(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.Array:
-  """Rank-one reconstruction ``row * col / mean_rows(row)`` of stored statistics."""
-  return rank_one_squeezed(*squeeze(row, col, axes), axes)
+def rank_one(row: jax.Array, col: jax.Array, axes: MatrixAxes, *,
+             root: bool = False) -> jax.Array:
+  """Rank-one reconstruction ``row * col / mean_rows(row)`` of stored statistics.
+
+  ``root=True`` gives its square root, taken on the two small factors before
+  they are spread (``√(row/mean) · √col``): a full-size square root stops
+  XLA:CPU from fusing the reconstruction into what reads it (the ``sign``
+  decode's temporaries grew from 252 to 666 MB on the bench's tree).
+  """
+  return rank_one_squeezed(*squeeze(row, col, axes), axes, root=root)
 
 
-def rank_one_squeezed(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.Array:
+def rank_one_squeezed(row: jax.Array, col: jax.Array, axes: MatrixAxes, *,
+                      root: bool = False) -> jax.Array:
   """:func:`rank_one` from squeezed statistics (row lacks ``cols``, col lacks ``rows``)."""
+  factor = jnp.sqrt if root else (lambda x: x)
   if isinstance(axes.rows, int) and isinstance(axes.cols, int):
     rows_in_row = axes.rows - (axes.rows > axes.cols)
     norm = jnp.maximum(jnp.expand_dims(_mean(row, rows_in_row), rows_in_row), _TINY)
@@ -100,7 +109,7 @@ def rank_one_squeezed(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.A
     shape.insert(axes.cols, col.shape[axes.cols - (axes.cols > axes.rows)])
     spread = lambda stat, axis: jax.lax.broadcast_in_dim(
         stat, tuple(shape), tuple(d for d in range(ndim) if d != axis))
-    return spread(row / norm, axes.cols) * spread(col, axes.rows)
+    return spread(factor(row / norm), axes.cols) * spread(factor(col), axes.rows)
   # Several axes a side: the same, each side's axes removed from the other's statistic.
   rows, cols = axes.row_axes, axes.col_axes
   ndim = row.ndim + len(cols)
@@ -113,8 +122,8 @@ def rank_one_squeezed(row: jax.Array, col: jax.Array, axes: MatrixAxes) -> jax.A
     shape[d] = n
   for d, n in zip(col_dims, col.shape):
     shape[d] = n
-  return (jax.lax.broadcast_in_dim(row / norm, tuple(shape), row_dims)
-          * jax.lax.broadcast_in_dim(col, tuple(shape), col_dims))
+  return (jax.lax.broadcast_in_dim(factor(row / norm), tuple(shape), row_dims)
+          * jax.lax.broadcast_in_dim(factor(col), tuple(shape), col_dims))
 
 
 def ema(old: jax.Array, mean: jax.Array, decay, complement=None) -> jax.Array:

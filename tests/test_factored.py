@@ -52,6 +52,9 @@ def test_means_over_declared_axes_treat_the_others_as_batch(axes):
   assert recon.shape == x.shape
   np.testing.assert_allclose(recon.mean(axes.cols, keepdims=True), row, rtol=1e-5)
   np.testing.assert_allclose(recon.mean(axes.rows, keepdims=True), col, rtol=1e-5)
+  # root=True takes the square root on the factors: the same numbers.
+  np.testing.assert_allclose(factored.rank_one(row, col, axes, root=True), jnp.sqrt(recon),
+                             rtol=1e-6)
 
 
 def test_rank_one_is_exact_for_a_rank_one_matrix():
