@@ -94,7 +94,8 @@ def skewadam_axes(axes: Axes, skewadam_tiers: dict | None = None) -> dict:
           p: None if (d := model_axes.matrix_dims(n)) is None else skewadam_jax.MatrixAxes(*d)
           for p, n in axes.items()}),
   }
-  if any(_direction(t) == "orthogonal" for t in (skewadam_tiers or {}).values()):
+  if any(_direction(t) in skewadam_jax.transform.ORTHOGONAL_DIRECTIONS
+         for t in (skewadam_tiers or {}).values()):
     # A tier with the orthogonal direction orthogonalises what Muon does.
     out["orthogonal_mask"] = per_path({p: orthogonalized(n) for p, n in axes.items()})
   return out

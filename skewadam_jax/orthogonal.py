@@ -93,3 +93,38 @@ def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
   rows = math.prod(shape[a % len(shape)] for a in axes.row_axes)
   cols = math.prod(shape[a % len(shape)] for a in axes.col_axes)
   return rms * math.sqrt(max(rows, cols))
+
+
+# NorMuon's guards: against a zero per-neuron statistic and a zero matrix.
+NEURON_EPS = 1e-10
+
+
+def normalize_per_neuron(o: jax.Array, second: jax.Array, axes: MatrixAxes, decay,
+                         complement) -> tuple[jax.Array, jax.Array]:
+  """NorMuon's step on an orthogonalised update ``o`` (Li et al., 2025).
+
+  Each output neuron (column) keeps an EMA of its mean squared entry,
+  ``s_t = decay·s_{t−1} + (1 − decay)·mean_rows(o²)``; the update is ``o``
+  divided by ``√s_t`` column by column, rescaled to ``o``'s Frobenius norm,
+  so only how the norm is shared between neurons changes::
+
+      ô = o / (√s_t + ε),      u = ô · ‖o‖_F / (‖ô‖_F + ε)
+
+  A common factor of ``s_t`` cancels in ``u``, so it needs no bias correction.
+
+  Args:
+    o: orthogonalised matrices (float32), batched on the axes not in ``axes``.
+    second: ``s_{t−1}``, shaped as ``o`` with the row axes reduced to 1.
+    axes: the matrix axes of ``o``.
+    decay, complement: the EMA's decay and ``1 − decay``.
+
+  Returns:
+    ``(u, s_t)``, ``s_t`` in ``second``'s dtype.
+  """
+  rows = tuple(a % o.ndim for a in axes.row_axes)
+  matrix = rows + tuple(a % o.ndim for a in axes.col_axes)
+  stat = jnp.mean(o * o, axis=rows, keepdims=True)
+  new = (complement * stat + decay * second.astype(jnp.float32)).astype(second.dtype)
+  scaled = o / (jnp.sqrt(new.astype(jnp.float32)) + NEURON_EPS)
+  norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=matrix, keepdims=True))  # noqa: E731
+  return scaled * (norm(o) / (norm(scaled) + NEURON_EPS)), new

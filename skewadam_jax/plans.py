@@ -44,7 +44,8 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
   rows = []
   for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
     size = max(1, math.prod(leaf.shape))
-    second = ("none" if plan.orthogonal else
+    second = ("per-neuron float32" if plan.neuron_b2 is not None else
+              "none" if plan.orthogonal else
               f"{'factored' if plan.factored else 'exact'} {plan.nu_dtype.name}")
     rows.append({
         "path": path or "<root>", "shape": list(leaf.shape), "tier": plan.tier,
@@ -52,7 +53,8 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
                         else f"({plan.axes.rows}, {plan.axes.cols})") + guessed,
         "momentum": "none" if plan.encoding is None else plan.encoding.name,
         "second moment": second,
-        "direction": "orthogonal" if plan.orthogonal else "adam",
+        "direction": ("normalized orthogonal" if plan.neuron_b2 is not None
+                      else "orthogonal" if plan.orthogonal else "adam"),
         "decay": "yes" if decayed else "no",
         "state B/param": round(nbytes / size, 3)})
   return rows

@@ -68,7 +68,8 @@ from skewadam_jax import labels as labels_lib
 from skewadam_jax import orthogonal
 
 SECOND_MOMENT_FORMS = ("exact", "factored")
-DIRECTIONS = ("adam", "orthogonal")
+DIRECTIONS = ("adam", "orthogonal", "normalized_orthogonal")
+ORTHOGONAL_DIRECTIONS = ("orthogonal", "normalized_orthogonal")
 NU_FIELDS = ("nu", "nu_row", "nu_col")
 FIELDS = ("mu",) + NU_FIELDS + encodings.MOMENTUM_FIELDS[1:]
 # The default weight-decay mask: decay exactly the leaves declared matrices.
@@ -107,6 +108,12 @@ class TierConfig:
       (:mod:`skewadam_jax.orthogonal`; Muon's direction). An orthogonalised
       matrix stores no second moment; vectors, complex leaves and matrices
       left out by ``orthogonal_mask`` keep Adam's direction.
+      ``"normalized_orthogonal"``: the same, then NorMuon's per-neuron
+      normalisation (:func:`~skewadam_jax.orthogonal.normalize_per_neuron`),
+      which stores one float32 value per output column of each matrix (in
+      the state's ``nu_col`` field).
+    neuron_b2: the decay of that per-neuron second moment (NorMuon's 0.95);
+      read only by ``"normalized_orthogonal"``.
 
   The update's bound, by form (Adam's direction): dense momentum (fp32, bf16)
   with an exact ``v`` keeps Adam's, ``|m̂/√v̂| ≤ (1 − b1)/√((1 − b2)(1 − b1²/b2))``
@@ -122,6 +129,7 @@ class TierConfig:
   int8_block_size: int = 256
   direction: str = "adam"
   int8_code: str = "linear"
+  neuron_b2: float = 0.95
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -145,6 +153,10 @@ class TierConfig:
           "rank-one v matches the rank-one |m|), or a dense momentum ('fp32', 'bf16').")
     if self.direction not in DIRECTIONS:
       raise ValueError(f"Unknown direction {self.direction!r}; expected one of {DIRECTIONS}.")
+    if (isinstance(self.neuron_b2, bool) or not isinstance(self.neuron_b2, numbers.Real)
+        or not 0.0 <= self.neuron_b2 < 1.0):
+      raise ValueError(f"neuron_b2 must be in [0, 1), got {self.neuron_b2!r}.")
+    object.__setattr__(self, "neuron_b2", float(self.neuron_b2))
     if self.second_moment not in SECOND_MOMENT_FORMS:
       raise ValueError(
           f"Unknown second_moment {self.second_moment!r}; expected one of "
@@ -215,6 +227,8 @@ class LeafPlan(NamedTuple):
     factored: whether its second moment is factored.
     nu_dtype: dtype of the stored second moment.
     orthogonal: whether its direction is orthogonalised (no second moment).
+    neuron_b2: for the normalised orthogonal direction, the decay of its
+      per-neuron second moment; ``None`` otherwise.
   """
   tier: str
   encoding: Optional[encodings.MomentumEncoding]
@@ -222,6 +236,7 @@ class LeafPlan(NamedTuple):
   factored: bool
   nu_dtype: Any
   orthogonal: bool = False
+  neuron_b2: Optional[float] = None
 
 
 def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConfig:
@@ -350,12 +365,14 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
     if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
       encoding = encodings.DenseEncoding(
           jnp.complex64 if _is_complex(leaf) else jnp.float32)
-    ortho = (config.direction == "orthogonal" and axes is not None
+    ortho = (config.direction in ORTHOGONAL_DIRECTIONS and axes is not None
              and not _is_complex(leaf) and bool(allow))
+    normalized = ortho and config.direction == "normalized_orthogonal"
     plans.append(LeafPlan(
         tier=tier, encoding=encoding, axes=axes,
         factored=config.second_moment == "factored" and axes is not None and not ortho,
-        nu_dtype=jnp.dtype(config.nu_dtype), orthogonal=ortho))
+        nu_dtype=jnp.dtype(config.nu_dtype), orthogonal=ortho,
+        neuron_b2=config.neuron_b2 if normalized else None))
   return plans
 
 
@@ -533,7 +550,10 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
   """
   names = [] if plan.encoding is None else [
       n for n in encodings.MOMENTUM_FIELDS if not is_placeholder(parts[n])]
+  if plan.neuron_b2 is not None:
+    names.append("nu_col")
   b1, c1 = b1
+  b2n, c2n = (None, None) if plan.neuron_b2 is None else _decay(plan.neuron_b2)
 
   def step(g_s, momentum, axes):
     g32 = g_s.astype(jnp.float32)
@@ -546,8 +566,11 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
       m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
       nesterov = b1 * m + c1 * g32
       new = plan.encoding.encode(m, axes)
-    update = orthogonal.newton_schulz(nesterov, axes) * orthogonal.adam_rms_scale(
-        g_s.shape, axes)
+    update = orthogonal.newton_schulz(nesterov, axes)
+    if plan.neuron_b2 is not None:
+      update, new["nu_col"] = orthogonal.normalize_per_neuron(
+          update, momentum["nu_col"], axes, b2n, c2n)
+    update = update * orthogonal.adam_rms_scale(g_s.shape, axes)
     return update.astype(g.dtype), new
 
   matrix = plan.axes.row_axes + plan.axes.col_axes
@@ -579,6 +602,8 @@ def _fresh_parts(plan: LeafPlan, leaf) -> dict:
   if plan.factored:
     row, col = factored.row_col_means(_square(zeros), plan.axes)
     parts.update(nu_row=row.astype(plan.nu_dtype), nu_col=col.astype(plan.nu_dtype))
+  elif plan.neuron_b2 is not None:  # one value per output column of each matrix
+    parts["nu_col"] = factored.row_col_means(_square(zeros), plan.axes)[1].astype(jnp.float32)
   elif not plan.orthogonal:
     parts["nu"] = _square(zeros).astype(plan.nu_dtype)
   return parts
@@ -623,7 +648,8 @@ def _check_parts(path: str, plan: LeafPlan, leaf, parts: dict) -> None:
     if want is None and tuple(got.shape) == (1,):
       continue  # a placeholder, passed through whatever its dtype
     if tuple(got.shape) != want_shape or jnp.dtype(got.dtype) != want_dtype:
-      second = ("none (orthogonal direction)" if plan.orthogonal else
+      second = ("per-neuron (normalized orthogonal)" if plan.neuron_b2 is not None else
+                "none (orthogonal direction)" if plan.orthogonal else
                 f"{'factored' if plan.factored else 'exact'} ({plan.nu_dtype.name})")
       what = (f"momentum {plan.encoding.name if plan.encoding else 'none'}, "
               f"second moment {second}, matrix axes {plan.axes}")
@@ -764,7 +790,7 @@ def scale_by_skewadam(
   if isinstance(clip_threshold, numbers.Real) and not clip_threshold > 0:
     raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}.")
   if orthogonal_mask is not None and not any(
-      t.direction == "orthogonal" for t in tiers.values()):
+      t.direction in ORTHOGONAL_DIRECTIONS for t in tiers.values()):
     raise ValueError("orthogonal_mask is given but no tier has direction='orthogonal', so "
                      "it would be ignored; set a tier's direction or drop the mask.")
 

@@ -164,3 +164,41 @@ def test_the_orthogonal_loop_runs_over_the_declared_layer_axis():
     sa.scale_by_skewadam(matrix_axes={"wi": sa.MatrixAxes(2, 3, layer=2)}).init(g)
   with pytest.raises(ValueError, match=r"layer axis 7 for 'wi' is not an axis"):
     sa.scale_by_skewadam(matrix_axes={"wi": sa.MatrixAxes(2, 3, layer=7)}).init(g)
+
+
+def test_the_normalized_orthogonal_direction_follows_norMuons_hand_written_step():
+  # NorMuon (Li et al., 2025), written out per output neuron with numpy.
+  b1, neuron_b2 = 0.9, 0.95
+  tier = {"momentum": "fp32", "direction": "normalized_orthogonal", "neuron_b2": neuron_b2}
+  tx = sa.scale_by_skewadam(b1=b1, param_labels="expert", expert=tier)
+  g0 = jax.random.normal(jax.random.PRNGKey(0), (3, 6, 8))
+  state = tx.init(g0)
+  assert state.nu_col.shape == (3, 1, 8)  # one value per output column of each matrix
+  m, s = np.zeros((3, 6, 8)), np.zeros((3, 1, 8))
+  for step in range(4):
+    # Column scales that differ a lot between neurons: what the normalisation evens out.
+    g = jax.random.normal(jax.random.PRNGKey(step), (3, 6, 8)) * jnp.arange(1.0, 9.0)
+    u, state = jax.jit(tx.update)(g, state)
+    m = b1 * m + (1 - b1) * np.asarray(g)
+    o = np.asarray(sa.newton_schulz(b1 * m + (1 - b1) * np.asarray(g), sa.MatrixAxes(1, 2)),
+                   np.float64)
+    s = neuron_b2 * s + (1 - neuron_b2) * (o * o).mean(axis=1, keepdims=True)
+    scaled = o / (np.sqrt(s) + 1e-10)
+    frob = lambda x: np.sqrt((x * x).sum(axis=(1, 2), keepdims=True))  # noqa: E731
+    want = scaled * frob(o) / frob(scaled) * 0.2 * np.sqrt(8)
+    np.testing.assert_allclose(u, want, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(state.nu_col, s, rtol=1e-5)
+  # The normalisation moves the norm between neurons, not the matrix's norm.
+  plain = sa.scale_by_skewadam(b1=b1, param_labels="expert",
+                               expert={"momentum": "fp32", "direction": "orthogonal"})
+  u_plain, _ = plain.update(g0, plain.init(g0))
+  u_norm, _ = tx.update(g0, tx.init(g0))
+  np.testing.assert_allclose(jnp.linalg.norm(u_norm, axis=(1, 2)),
+                             jnp.linalg.norm(u_plain, axis=(1, 2)), rtol=1e-4)
+  # Its state is counted: 4 bytes per output column on top of the momentum.
+  assert sa.tree_bytes(tx.init(g0)) == sa.tree_bytes(plain.init(g0)) + 3 * 8 * 4 - 1
+  rows = sa.plans.plan_rows(g0, param_labels="expert", expert=tier)
+  assert (rows[0]["direction"], rows[0]["second moment"]) == (
+      "normalized orthogonal", "per-neuron float32")
+  with pytest.raises(ValueError, match=r"neuron_b2 must be in \[0, 1\)"):
+    sa.TierConfig(direction="normalized_orthogonal", neuron_b2=1.0)

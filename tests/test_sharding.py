@@ -238,3 +238,13 @@ def test_partitioned_states_with_masked_nodes():
   assert isinstance(adam.mu["final_norm"], optax.MaskedNode)
   skew = out.inner_states["skew"].inner_state[0]
   assert spec_of(at(skew.nu_row, W_UP)) == (None, "expert")
+
+
+def test_the_per_neuron_second_moment_is_sharded_like_its_columns():
+  tx = skewadam_jax.scale_by_skewadam(
+      expert=skewadam_jax.TierConfig("sign", direction="normalized_orthogonal"))
+  out, state = skew_parts(tx)
+  assert at(state.nu_col, W_UP).shape == (2, 4, 1, 16)  # rows reduced: one per output column
+  assert spec_of(at(out.nu_col, W_UP)) == (None, "expert", None, "data")
+  assert spec_of(at(out.nu_col, W_DOWN)) == (None, "expert")
+  assert is_placeholder(at(state.nu_row, W_UP)) and is_placeholder(at(state.nu, W_UP))
