@@ -63,11 +63,12 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 import time
 from typing import Iterator, Sequence
 
 import numpy as np
+
+from experiments.metrics_log import write_atomically
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO_ROOT / "data" / "shakespeare.txt.xz"
@@ -464,7 +465,7 @@ def train_or_load_tokenizer(
     except Exception:  # pylint: disable=broad-except
       pass  # A damaged cache entry: train again and overwrite it.
   tokenizer = _train_bpe(train_docs, vocab_size)
-  _atomic_write(path, tokenizer.to_str())
+  write_atomically(path, tokenizer.to_str())
   return tokenizer
 
 
@@ -489,19 +490,6 @@ def _train_bpe(train_docs: Sequence[Document], vocab_size: int):
     raise RuntimeError(f"trained vocab {tokenizer.get_vocab_size()} exceeds "
                        f"the requested {vocab_size}")
   return tokenizer
-
-
-def _atomic_write(path: pathlib.Path, text: str) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared.
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
 
 
 def _chunks(text: str, size: int = _CHUNK_CHARS) -> Iterator[str]:
@@ -1358,7 +1346,7 @@ def prepare_corpus(
       raise DataError(f"{source}: the {side} split holds no text")
 
   tokenizer_text = tok.to_str()
-  _atomic_write(out / TOKENIZER_NAME, tokenizer_text)
+  write_atomically(out / TOKENIZER_NAME, tokenizer_text)
   train_counts, val_counts = writers["train"].counts, writers["val"].counts
   log_p = (np.log(train_counts + 1.0)
            - math.log(writers["train"].num_tokens + real_vocab))
@@ -1391,7 +1379,7 @@ def prepare_corpus(
       "seconds": round(time.perf_counter() - tic, 1),
   }
   manifest["fingerprint"] = _manifest_fingerprint(manifest)
-  _atomic_write(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+  write_atomically(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
   return manifest
 
 

@@ -14,6 +14,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -32,10 +33,23 @@ def read_metrics(path: pathlib.Path, upto_step: int) -> list[dict]:
 
 
 def write_atomically(path: pathlib.Path, text: str) -> None:
-  """Writes a temporary file and renames it: a crash leaves the old or the new file."""
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
+  """Writes a temporary file and renames it: a crash leaves the old or the new file.
+
+  The temporary file's name is unique, so two processes writing the same
+  path (a shared tokenizer cache) never write into each other's file; it is
+  made readable by all, as a plain write would be, and removed on failure.
+  """
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
 
 
 class MetricsLog:
