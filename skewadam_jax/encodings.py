@@ -32,8 +32,8 @@ Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
   stationary noisy gradient the expert tier's update RMS is 0.90x Adam's
   (0.86x that of fp32 momentum with the same factored ``v``) and the decoded
   mean ``|m|`` 1.07x fp32's (``tests/test_numerics.py``, ``pytest -s``);
-  on heavy-tailed (log-normal) magnitudes the update RMS is lower (about
-  0.77x Adam's) and the decoded mean ``|m|`` higher, since a rank-one size
+  on heavy-tailed (log-normal) magnitudes the update RMS is lower (0.77x
+  Adam's, the same test) and the decoded mean ``|m|`` higher, since a rank-one size
   cannot follow single large entries. There is no code for zero: in Adam's
   direction an entry whose gradient is exactly 0 is not moved that step
   (LazyAdam's rule), so an entry whose gradient is always 0 stays where it
