@@ -67,6 +67,23 @@ def tier_bytes_per_device(state, tier: str) -> tuple[dict, int]:
   return dict(per_device), total
 
 
+def max_abs_diff(a, b) -> float:
+  """The largest entry-wise difference between two trees, in float32."""
+  return max(jax.tree.leaves(jax.tree.map(
+      lambda x, y: float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))),
+      a, b)))
+
+
+def run_sharded(spmd, params, batches):
+  """``spmd``'s init and train step over ``batches``: (params, state, losses)."""
+  params, state = spmd.init(params)
+  losses = []
+  for inputs, targets in batches:
+    params, state, metrics = spmd.train_step(params, state, inputs, targets)
+    losses.append(float(metrics["loss"]))
+  return params, state, losses
+
+
 def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> dict:
   """The sharded step against the single-device step, on `tiny` in float32."""
   # float32 compute: bf16 matmuls round partial sums differently once split.
@@ -104,12 +121,10 @@ def compare(optimizer: str, fsdp: bool, save_reference: str | None = None) -> di
     losses.append(float(metrics["loss"]))
   errors += [f"update: {e}" for e in placement_errors(state, want_state)]
   errors += [f"update params: {e}" for e in placement_errors(sharded_params, spmd.shardings.params)]
-  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                       sharded_params, ref_params)
   per_device, total = tier_bytes_per_device(state, "expert")
   return {
       "losses": losses, "ref_losses": ref_losses,
-      "max_param_diff": max(jax.tree.leaves(diffs)),
+      "max_param_diff": max_abs_diff(sharded_params, ref_params),
       "placement_errors": errors,
       "expert_bytes_per_device": per_device, "expert_bytes_total": total,
       "expert_bytes_per_device_at_init": init_expert[0],
@@ -151,11 +166,6 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
                   eval_batches=1, warmup_steps=1, data=str(corpus), log_every=1,
                   sample_tokens=0)
 
-  def max_diff(a, b):
-    return max(jax.tree.leaves(jax.tree.map(
-        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))),
-        a, b)))
-
   def steps_of(run):
     """The references: ``run``'s own train step over the command's first 3 batches."""
     params, state = run.init_state()
@@ -191,8 +201,8 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
   trained, planned = fingerprints(run)
   standard_trained, standard_planned = fingerprints(standard_run)
   return {"losses": losses, "ref_losses": ref_losses,
-          "max_param_diff": max_diff(sharded["_params"], one),
-          "standard_max_param_diff": max_diff(standard_mesh, standard_one),
+          "max_param_diff": max_abs_diff(sharded["_params"], one),
+          "standard_max_param_diff": max_abs_diff(standard_mesh, standard_one),
           "trained_fingerprint": planner.step_fingerprint(trained),
           "planned_fingerprint": planned["fingerprint"],
           "trained_temp": int(trained.memory_analysis().temp_size_in_bytes),
@@ -227,22 +237,10 @@ def expert_parallel() -> dict:
   mesh = mesh_lib.make_mesh(data=2, expert=4)
   step_fns = steps.standard_step(graphdef, rest, tx)
   spmd = mesh_lib.spmd_steps(mesh, step_fns, params, axes=axes, expert_parallel=True)
-  sharded_params, state = spmd.init(params)
-  losses = []
-  for inputs, targets in batches:
-    sharded_params, state, metrics = spmd.train_step(sharded_params, state, inputs, targets)
-    losses.append(float(metrics["loss"]))
-  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                       sharded_params, ref_params)
+  sharded_params, state, losses = run_sharded(spmd, params, batches)
   # FSDP with expert parallelism: the backbone split over both axes, as the batch.
   fsdp = mesh_lib.spmd_steps(mesh, step_fns, params, axes=axes, expert_parallel=True, fsdp=True)
-  fsdp_params, fsdp_state = fsdp.init(params)
-  fsdp_losses = []
-  for inputs, targets in batches:
-    fsdp_params, fsdp_state, metrics = fsdp.train_step(fsdp_params, fsdp_state, inputs, targets)
-    fsdp_losses.append(float(metrics["loss"]))
-  fsdp_diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                            fsdp_params, ref_params)
+  fsdp_params, _, fsdp_losses = run_sharded(fsdp, params, batches)
 
   s = spmd.shardings
   hlo = mesh_lib.sharded_train_step(step_fns.train_step, s).lower(
@@ -275,11 +273,11 @@ def expert_parallel() -> dict:
     received_counts.append(int(real.size))
     wanted_counts.append(int(np.sum(groups[data_shard] // local == expert_shard)))
   return {"losses": losses, "ref_losses": ref_losses,
-          "max_param_diff": max(jax.tree.leaves(diffs)),
+          "max_param_diff": max_abs_diff(sharded_params, ref_params),
           "all_to_all": hlo.count(" all-to-all("), "bank_all_gathers": gathered,
           "received_counts": received_counts, "wanted_counts": wanted_counts,
           "batch_spec": [str(a) for a in s.batch.spec],
-          "fsdp_losses": fsdp_losses, "fsdp_max_param_diff": max(jax.tree.leaves(fsdp_diffs)),
+          "fsdp_losses": fsdp_losses, "fsdp_max_param_diff": max_abs_diff(fsdp_params, ref_params),
           "fsdp_query_spec": [str(a) for a in
                               fsdp.shardings.params["layers"]["attn"]["query"]["kernel"].spec]}
 
