@@ -10,11 +10,20 @@ Protocol, for every optimizer (and every SkewAdam configuration given with
 ``--skewadam-configs`` or ``--ablation``):
 
 1. learning-rate sweep: ``--sweep-steps`` steps at each rate of a log grid
-   (by default the optimizer's default rate × {1/3, 1, 3}), seed 0; while the
-   best rate is at an edge of the grid, the grid grows by one point in that
-   direction (at most twice);
+   (by default the optimizer's default rate × {1/3, 1, 3}; ``--lr-factors``
+   with ``--lr-from``: those multiples of each row's rate in a saved
+   comparison), seed 0; while the best rate is at an edge of the grid, the
+   grid grows by one point in that direction (at most twice);
 2. the best rate by validation perplexity, trained for ``--steps`` steps with
-   every seed of ``--seeds``.
+   every seed of ``--seeds`` (when the sweep is as long, its run at the best
+   rate is the first seed's).
+
+The long-horizon protocol (``experiments/results/compare-long.json``) is
+``--steps 1600 --sweep-steps 1600 --lr-factors 0.5,1 --lr-from
+experiments/results/compare-long.json,...``: a sweep at the final budget,
+centred on the rates the shorter sweep tuned, with its runs' folders kept in
+``experiments/results/compare-long-runs`` so that ``--reuse-runs`` continues
+it across sessions (``experiments/long_protocol.sh``).
 
 Everything else is shared: the preset, the corpus and its split, batch and
 sequence length, the warmup + cosine schedule shape, clipping at 1.0 and
@@ -112,9 +121,10 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> 
   return min(matching, key=lambda r: r["opt_state_bytes_6p78b"], default=None)
 
 
-def lr_grid(optimizer: str, factors: Sequence[float]) -> list[float]:
-  base = optimizers.DEFAULT_LR[optimizer]
-  return [base * f for f in factors]
+def lr_grid(optimizer: str, factors: Sequence[float], centre: float | None = None) -> list[float]:
+  """The sweep's rates: ``factors`` times ``centre`` (default: the optimizer's default rate)."""
+  centre = optimizers.DEFAULT_LR[optimizer] if centre is None else centre
+  return [centre * f for f in factors]
 
 
 def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
@@ -122,7 +132,8 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
             max_extensions: int = 2, cache_dir=None, log=print,
             keep_checkpoints: bool = False, progress: bool = False,
-            reuse_runs: bool = False, fixed_lrs: Sequence[dict] | None = None) -> list[dict]:
+            reuse_runs: bool = False, fixed_lrs: Sequence[dict] | None = None,
+            sweep_around: Sequence[dict] | None = None) -> list[dict]:
   """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
 
   SkewAdam configurations are resolved against the defaults and run once
@@ -134,7 +145,11 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   configuration is read instead of trained again, so an interrupted
   comparison continues where it stopped. With ``fixed_lrs`` (rows of a saved
   comparison) there is no sweep: each entry trains at the rate of its row
-  there (a ``ValueError`` names an entry without one).
+  there (a ``ValueError`` names an entry without one). With ``sweep_around``
+  (rows of a saved comparison) the grid is ``lr_factors`` times each entry's
+  rate there instead of times the optimizer's default rate. When the sweep
+  trains as long as the final runs (``sweep_steps == steps``), the best rate's
+  sweep run is the first seed's final run: it is not trained twice.
   """
   out_dir = pathlib.Path(out_dir)
   rows, seen = [], []
@@ -142,6 +157,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   if fixed_lrs is not None:
     lr_factors, max_extensions = (), 0
     fixed = tuned_rates(entries, fixed_lrs)
+  centres = tuned_rates(entries, sweep_around) if sweep_around is not None else None
   extensions = max_extensions if len(lr_factors) > 1 else 0
   per_entry = len(lr_factors) + extensions + len(seeds)
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -155,10 +171,10 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
     seen.append((optimizer, config))
     overrides = train_overrides(config) if config else {}
     name = run_name(optimizer, config)
-    sweep = []
+    sweep, sweep_runs = [], {}
 
     def try_lr(lr):
-      result = run_one(base, out_dir / f"{name}-sweep-lr{lr:.2e}", cache_dir,
+      result = sweep_runs[lr] = run_one(base, out_dir / f"{name}-sweep-lr{lr:.2e}", cache_dir,
                     optimizer=optimizer, lr=lr, steps=sweep_steps, seed=seeds[0],
                     warmup_steps=max(1, sweep_steps // 10), **overrides)
       sweep.append({"lr": lr, "val_ppl": result["val_ppl"]})
@@ -167,7 +183,9 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
       bar.update(1)
 
     score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
-    for lr in lr_grid(optimizer, lr_factors):
+    centre = (centres[entry_key(optimizer, config)] if centres is not None
+              else optimizers.DEFAULT_LR[optimizer])
+    for lr in lr_grid(optimizer, lr_factors, centre):
       try_lr(lr)
     # A best rate at the edge of the grid is not a tuned rate: extend the grid
     # (by the grid's own step) in that direction, a bounded number of times.
@@ -185,9 +203,11 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
     bar.refresh()
     best_lr = (fixed[entry_key(optimizer, config)] if fixed_lrs is not None
                else min(sweep, key=score)["lr"])
-    finals = [run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
-                   optimizer=optimizer, lr=best_lr, steps=steps, seed=seed,
-                   warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
+    same_budget = fixed_lrs is None and sweep_steps == steps
+    finals = [sweep_runs[best_lr] if same_budget and seed == seeds[0] else
+              run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
+                      optimizer=optimizer, lr=best_lr, steps=steps, seed=seed,
+                      warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
     bar.update(len(finals))
     ppls = [f["val_ppl"] for f in finals]
     tiers = dataclasses.replace(base, **overrides).skewadam_tiers()  # pylint: disable=no-member
@@ -526,10 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
   parser.add_argument("--keep-checkpoints", action="store_true",
                       help="keep each run's checkpoints (default: only its metrics and summary)")
-  parser.add_argument("--lr-from", default=None, metavar="COMPARE_JSON",
-                      help="no learning-rate sweep: each row trains at the rate its row has "
-                      "in this saved comparison (say, a longer horizon at the rates tuned "
-                      "at the shorter one)")
+  parser.add_argument("--lr-from", default=None, metavar="COMPARE_JSON[,COMPARE_JSON...]",
+                      help="each row's rate is the rate its row has in these saved comparisons "
+                      "(the first file that has the row wins): alone, no sweep (say, a longer "
+                      "horizon at the rates tuned at the shorter one); with --lr-factors, the "
+                      "centre of each row's sweep")
+  parser.add_argument("--lr-factors", default=None, metavar="F,F,...",
+                      help="the sweep's grid as multiples of the centre rate (default "
+                      "0.333,1,3 around the optimizer's default rate)")
   parser.add_argument("--no-progress", action="store_true", help="no overall progress bar")
   parser.add_argument("--reuse-runs", action="store_true",
                       help="read runs already finished with the same configuration instead of "
@@ -566,6 +590,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = QUICK_OPTIMIZERS if args.quick else ",".join(optimizers.OPTIMIZERS)
   # --quick trains at the tuned rates unless a sweep is asked for (--sweep-steps).
   lr_from = args.lr_from or (TUNED_RATES if args.quick and not args.sweep_steps else None)
+  saved_rates = None
+  if lr_from:  # the first file that has a row wins
+    saved_rates = [row for path in reversed(str(lr_from).split(","))
+                   for row in json.loads(pathlib.Path(path).read_text())]
+  factors = (tuple(float(f) for f in args.lr_factors.split(",")) if args.lr_factors
+             else (1 / 3, 1, 3))
+  around = saved_rates is not None and args.lr_factors is not None
   try:
     entries = parse_entries(names, args.skewadam_configs)
     if args.ablation:
@@ -575,12 +606,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
-                   max_extensions=budget["max_extensions"],
+                   lr_factors=factors, max_extensions=budget["max_extensions"],
                    log=lambda m: print(m, file=sys.stderr, flush=True),
                    keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress,
                    reuse_runs=args.reuse_runs,
-                   fixed_lrs=(json.loads(pathlib.Path(lr_from).read_text())
-                              if lr_from else None))
+                   fixed_lrs=saved_rates if saved_rates is not None and not around else None,
+                   sweep_around=saved_rates if around else None)
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -257,3 +257,48 @@ def test_longer_horizon_is_set_beside_the_shorter_one(tmp_path):
   for name in ("horizons", "val_ppl", "state_bytes", "frontier"):
     assert (out / f"compare-long-{name}.png").stat().st_size > 1000
   assert not (out / "compare.json").exists() and not (out / "val_ppl.png").exists()
+
+
+def test_a_sweep_around_saved_rates_at_the_final_budget_trains_each_run_once(monkeypatch,
+                                                                             tmp_path):
+  # Validation perplexity is best at half the saved rate; the sweep run at the
+  # best rate is seed 0's final run, so only seeds 1 and 2 train after it.
+  trained = []
+
+  def fake_run(base, out, cache_dir, *, lr, steps, seed, **overrides):
+    del base, cache_dir, overrides
+    trained.append((round(lr, 6), steps, seed, out.name))
+    return {"val_ppl": 50.0 + abs(lr - 0.015) * 100 + seed, "tokens_per_s": 1.0,
+            "median_step_s": 1.0, "opt_state_bytes": 1, "curve": []}
+  monkeypatch.setattr(compare, "run_or_reuse", fake_run)
+  monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
+  saved = [{"optimizer": "muon", "config": "default", "lr": 0.03}]
+  [row] = compare.compare([("muon", None)], base=compare.TrainConfig(), out_dir=tmp_path,
+                          steps=8, sweep_steps=8, seeds=(0, 1, 2), lr_factors=(0.5, 1),
+                          max_extensions=1, log=lambda m: None, sweep_around=saved)
+  assert [t[:3] for t in trained] == [(0.015, 8, 0), (0.03, 8, 0), (0.0075, 8, 0),
+                                      (0.015, 8, 1), (0.015, 8, 2)]
+  assert row["lr"] == pytest.approx(0.015)
+  assert row["val_ppl_by_seed"] == [50.0, 51.0, 52.0]
+
+
+def test_the_first_rates_file_that_has_a_row_wins(monkeypatch, tmp_path):
+  seen = {}
+
+  def fake_compare(entries, **kwargs):
+    seen.update(kwargs)
+    return []
+  monkeypatch.setattr(compare, "compare", fake_compare)
+  monkeypatch.setattr(compare, "_write", lambda *a, **k: 0)
+  first, second = tmp_path / "a.json", tmp_path / "b.json"
+  first.write_text(json.dumps([{"optimizer": "muon", "config": "default", "lr": 0.02}]))
+  second.write_text(json.dumps([{"optimizer": "muon", "config": "default", "lr": 0.05},
+                                {"optimizer": "adamw", "config": "default", "lr": 0.001}]))
+  argv = ["--optimizers", "muon,adamw", "--lr-from", f"{first},{second}"]
+  assert compare.main(argv) == 0
+  assert seen["sweep_around"] is None
+  assert compare.tuned_rates([("muon", None), ("adamw", None)], seen["fixed_lrs"]) == {
+      sweeps.entry_key("muon", None): 0.02, sweeps.entry_key("adamw", None): 0.001}
+  assert compare.main(argv + ["--lr-factors", "0.5,1"]) == 0
+  assert seen["fixed_lrs"] is None and seen["lr_factors"] == (0.5, 1.0)
+  assert seen["sweep_around"] is not None
