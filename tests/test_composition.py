@@ -187,3 +187,39 @@ def test_axes_declared_over_a_filtered_module_keep_its_absent_fields_absent():
   assert [p.axes for p in plans] == [sa.MatrixAxes(1, 2), None]
   state = sa.scale_by_skewadam(matrix_axes=axes, param_labels="backbone").init(params)
   assert state.nu.scale.shape == (3, 6)  # a stacked vector: exact v
+
+
+@pytest.mark.parametrize("direction", ["adam", "orthogonal", "normalized_orthogonal"])
+@pytest.mark.parametrize("max_norm", [1e-2, 1e3])  # clipping, and a norm below the bound
+def test_max_grad_norm_is_the_chained_global_norm_clip_bit_for_bit(direction, max_norm):
+  # A [layers, experts, d, f] bank takes the orthogonal layer loop, which clips
+  # one slice at a time; the other leaves are clipped whole.
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  params = {"embed": jax.random.normal(keys[0], (16, 8)),
+            "layers": {"experts": jax.random.normal(keys[1], (3, 2, 8, 12)),
+                       "router": jax.random.normal(keys[2], (3, 8, 2)),
+                       "scale": jnp.ones((3, 8))}}
+  tiers = {"backbone": {"direction": direction}, "expert": {"direction": direction}}
+  axes = {"embed": sa.MatrixAxes(0, 1), "layers": {
+      "experts": sa.MatrixAxes(2, 3, layer=0), "router": sa.MatrixAxes(1, 2), "scale": None}}
+  built_in = sa.skewadam(1e-2, matrix_axes=axes, max_grad_norm=max_norm, **tiers)
+  chained = optax.chain(optax.clip_by_global_norm(max_norm),
+                        sa.skewadam(1e-2, matrix_axes=axes, **tiers))
+
+  def steps(tx):
+    state, p = tx.init(params), params
+    step = jax.jit(tx.update)
+    for k in jax.random.split(keys[3], 3):
+      grads = jax.tree.map(lambda x, k=k: 5 * jax.random.normal(k, x.shape), p)
+      updates, state = step(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    return p
+
+  ours, reference = steps(built_in), steps(chained)
+  jax.tree.map(np.testing.assert_array_equal, ours, reference)
+  assert not np.allclose(ours["embed"], params["embed"])
+
+
+def test_max_grad_norm_must_be_positive():
+  with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+    sa.skewadam(1e-3, max_grad_norm=0.0)

@@ -166,6 +166,22 @@ def test_the_orthogonal_loop_runs_over_the_declared_layer_axis():
     sa.scale_by_skewadam(matrix_axes={"wi": sa.MatrixAxes(2, 3, layer=7)}).init(g)
 
 
+def test_the_layer_loop_writes_each_update_over_its_gradient_slice():
+  # The update stack is the loop's carry (XLA updates it in place), not a new
+  # stacked output: a bank-sized output per bank is what took the standard
+  # orthogonal step at moe-6.78b from 30 GB to 46 GB.
+  g = {"wi": jax.random.normal(jax.random.PRNGKey(0), (5, 3, 6, 8))}
+  tx = sa.scale_by_skewadam(param_labels="expert", expert={"direction": "orthogonal"},
+                            max_grad_norm=1.0)
+  state = tx.init(g)
+  [scan] = [e for e in jax.make_jaxpr(tx.update)(g, state).jaxpr.eqns
+            if e.primitive.name == "scan"]
+  carried = scan.outvars[:scan.params["num_carry"]]
+  stacked = scan.outvars[scan.params["num_carry"]:]
+  assert [v.aval.shape for v in carried] == [(5, 3, 6, 8)]
+  assert all(v.aval.size < g["wi"].size for v in stacked)  # the momentum's compact parts
+
+
 def test_the_normalized_orthogonal_direction_follows_norMuons_hand_written_step():
   # NorMuon (Li et al., 2025), written out per output neuron with numpy.
   b1, neuron_b2 = 0.9, 0.95
