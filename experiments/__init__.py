@@ -1,16 +1,25 @@
 """Experiments: training, optimizer comparison, memory planner, benchmarks, data.
 
-A library plus thin commands. The library modules (``config``, ``steps``,
-``optimizers``, ``training``, ``metrics_log``, ``checkpoint``, ``data``,
-``mesh``, ``distributed``, ``planner``, ``hlo``,
-``accounting``) never import a
-command; the commands (``python -m experiments.NAME`` for ``train``,
-``compare``, ``memory``, ``gpu_check``, ``parallel``, ``bench``,
-``state_bytes``) are short ``main()`` s over them. Nothing here changes the
-environment on import, except on a machine with JAX's CUDA plugin or libtpu
-and no GPU or TPU: there JAX starts on the CPU without the plugins' start-up
-noise (:mod:`experiments.startup`). The optimizer library itself
-(``skewadam_jax``) does nothing on import.
+Four library packages and thin commands over them:
+
+* :mod:`experiments.training`: the configuration (and config files), the
+  optimizers, the one step builder, the run and its loop, checkpoints,
+  metrics, monitoring, sampling, meshes and processes;
+* :mod:`experiments.data`: corpora, the tokenizer, batches, prepared
+  (memory-mapped) corpora, a synthetic corpus;
+* :mod:`experiments.planning`: the memory planner, its GPU/TPU targets, costs
+  read from compiled HLO, optimizer-state accounting;
+* :mod:`experiments.studies`: what sweeps of runs share.
+
+The commands are the top-level modules (``python -m experiments.NAME`` for
+``train``, ``sample``, ``compare``, ``schedules``, ``memory``, ``gpu_check``,
+``parallel``, ``bench``, ``state_bytes``; ``python -m experiments.data``),
+each a short ``main()``; no library module imports a command
+(``tests/test_experiments_layout.py``). Nothing here changes the environment
+on import, except on a machine with JAX's CUDA plugin or libtpu and no GPU or
+TPU: there JAX starts on the CPU without the plugins' start-up noise
+(:mod:`experiments.startup`). The optimizer library itself (``skewadam_jax``)
+does nothing on import.
 """
 
 import os

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -42,13 +41,12 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import experiments
-from experiments import planner
-from experiments import training
-from experiments.config import TrainConfig
+from experiments.planning import hlo, planner
+from experiments.training import run as training
+from experiments.training.config import TrainConfig
 import skewadam_jax
 
 GB = 1e9
@@ -293,46 +291,13 @@ def bench_train_step(*, steps: int, rounds: int) -> dict:
           "steps_per_round": steps, "rounds": rounds}
 
 
-_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                  "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_ARRAY = re.compile(r"\b(pred|bf16|[suf](?:8|16|32|64))\[([\d,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
-# Instructions that run no kernel: they name or regroup buffers.
-_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
-              "optimization-barrier"}
-
-
-def kernel_bytes(hlo_text: str) -> int:
-  """Bytes the kernels of a compiled program read and write, from its HLO text.
-
-  Every top-level instruction of the entry computation that runs (a fusion, a
-  copy, a custom call) counts its operands and its result in full; tuples,
-  bitcasts and parameters move nothing. That is how XLA's own cost analysis
-  counts ``bytes accessed``; this version also works for a program compiled
-  for a GPU target without a device, whose cost analysis is empty.
-  """
-  entry = hlo_text[hlo_text.index("\nENTRY"):]
-  sizes, total = {}, 0
-  for line in entry.splitlines()[1:]:
-    match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    name, shape, opcode, rest = match.groups()
-    sizes[name] = sum(_ELEMENT_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                      for dtype, dims in _ARRAY.findall(shape))
-    if opcode not in _NO_KERNEL:
-      total += sizes[name] + sum(sizes.get(operand, 0)
-                                 for operand in re.findall(r"%([^\s,)]+)", rest))
-  return total
-
-
 def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> dict:
   """XLA temp and kernel bytes of the optimizer update alone (update + apply).
 
   Compiled for ``target`` without a device, as the memory planner does; the
   parameters (bf16) and optimizer state are donated and the gradients are an
   input, so the temp is what the update needs beyond its inputs and outputs.
-  ``kernel_bytes_per_param`` is :func:`kernel_bytes` of the compiled update
+  ``kernel_bytes_per_param`` is :func:`~experiments.planning.hlo.kernel_bytes` of the compiled update
   over the number of parameters: what the update would read and write on
   that GPU.
   """
@@ -347,7 +312,7 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
     compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
         place(params), place(state), place(params)).compile()
     temp[name] = int(compiled.memory_analysis().temp_size_in_bytes)
-    traffic[name] = kernel_bytes(compiled.as_text()) / n
+    traffic[name] = hlo.kernel_bytes(compiled.as_text()) / n
   return {"preset": preset, "target": target, "warning": warning, "temp_bytes": temp,
           "kernel_bytes_per_param": traffic}
 

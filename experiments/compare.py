@@ -70,12 +70,12 @@ from typing import Sequence
 import jax.numpy as jnp
 
 import experiments
-from experiments import optimizers
-from experiments import accounting
-from experiments.config import TrainConfig
-from experiments.sweeps import base_config, entry_key, parse_entries, resolve_config
-from experiments.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
-from experiments.sweeps import tuned_rates
+from experiments.training import optimizers
+from experiments.planning import accounting
+from experiments.training.config import TrainConfig
+from experiments.studies.sweeps import base_config, entry_key, parse_entries, resolve_config
+from experiments.studies.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
+from experiments.studies.sweeps import tuned_rates
 
 # --quick is a first look: AdamW, SkewAdam's default and Muon, 3 seeds, no sweep
 # (each trains at the rate the full protocol tuned, experiments/results/compare.json),

@@ -54,8 +54,8 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   from flax import nnx
 
   import models
-  from experiments import planner
-  from experiments import steps as steps_lib
+  from experiments.planning import planner
+  from experiments.training import steps as steps_lib
 
   device = jax.devices()[0]
   result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device),

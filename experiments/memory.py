@@ -9,7 +9,7 @@ For a preset and an optimizer it reports
   parameters), optimizer state by tier;
 * XLA's compiled memory analysis of the whole jitted train step (forward,
   backward, optimizer update; parameters and optimizer state donated): the very
-  ``train_step`` of ``experiments.steps``, compiled for the target GPU on a
+  ``train_step`` of ``experiments.training.steps``, compiled for the target GPU on a
   machine without one ("deviceless" compilation against the target description
   in ``experiments/gpu_targets/``). ``peak = argument + output − alias + temp``;
 * the verdict against the device's memory less a safety margin (2 GB by
@@ -21,10 +21,10 @@ For a preset and an optimizer it reports
 each layer's update inside the backward pass (``skewadam_jax.layerwise``);
 ``grad_bytes`` is then one layer's gradients plus those outside the stack, the
 most alive at once. ``matmul_flops`` counts the step's matrix multiplies
-(scan bodies times their length; ``experiments.planner.matmul_flops``).
+(scan bodies times their length; ``experiments.planning.planner.matmul_flops``).
 
 ``flops_efficiency`` is the useful FLOPs of the step (``6 · active
-parameters · tokens`` + causal attention, ``experiments.planner.useful_flops``)
+parameters · tokens`` + causal attention, ``experiments.planning.planner.useful_flops``)
 over ``matmul_flops``.
 
 ``--devices N`` compiles the step sharded over N devices of the target (an
@@ -35,7 +35,7 @@ data=A,expert=B`` and ``--fsdp``/``--no-fsdp`` (split every matrix over
 default ``data=N`` with FSDP, which
 is what fits and repeats no work with the dropless lowerings, or with
 ``--moe-impl expert_parallel`` ``expert = gcd(N, experts)``, ``data = N /
-expert`` (``experiments.planner.default_layout``).
+expert`` (``experiments.planning.planner.default_layout``).
 Memory figures are then per device, ``--batch`` and the largest batch that
 fits are global (multiples of ``data``), and ``collective_bytes`` gives the
 bytes each collective kind handles per device per step, read from the
@@ -62,10 +62,10 @@ from typing import Sequence
 import jax.numpy as jnp
 
 import experiments
-from experiments import config as config_lib
-from experiments import optimizers
-from experiments import planner
-from experiments.planner import markdown_table, plan, use_deviceless_gpu_environment
+from experiments.training import config as config_lib
+from experiments.training import optimizers
+from experiments.planning import planner
+from experiments.planning.planner import markdown_table, plan, use_deviceless_gpu_environment
 
 
 def _human(nbytes: int) -> str:

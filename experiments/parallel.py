@@ -3,12 +3,12 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.parallel --preset tiny --mesh data=2,expert=4 --check
 
 runs a few steps of the training command's own step
-(:func:`experiments.steps.make_step_fns`) on synthetic tokens, sharded over the
-mesh (:mod:`experiments.mesh` documents the layout), prints the loss, the
+(:func:`experiments.training.steps.make_step_fns`) on synthetic tokens, sharded over the
+mesh (:mod:`experiments.training.mesh` documents the layout), prints the loss, the
 optimizer-state bytes each device holds, and (``--check``) the largest
 parameter difference from the same steps on one device. Several processes
 join with ``--coordinator-address``, ``--num-processes``, ``--process-id``
-(:mod:`experiments.distributed`).
+(:mod:`experiments.training.distributed`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from flax import nnx
 import experiments
 import models
 import skewadam_jax
-from experiments import distributed
-from experiments import optimizers
-from experiments.mesh import make_mesh, parse_mesh, spmd_steps, device_state_bytes_by_tier
-from experiments.steps import standard_step
+from experiments.training import distributed
+from experiments.training import optimizers
+from experiments.training.mesh import make_mesh, parse_mesh, spmd_steps, device_state_bytes_by_tier
+from experiments.training.steps import standard_step
 
 
 # --------------------------------------------------------------------------
@@ -57,7 +57,8 @@ def _run(args) -> dict:
              for s in range(args.steps)]
 
   mesh = make_mesh(**parse_mesh(args.mesh))
-  spmd = spmd_steps(mesh, standard_step(graphdef, rest, tx), params, axes=axes, fsdp=args.fsdp)
+  step_fns = standard_step(graphdef, rest, tx)
+  spmd = spmd_steps(mesh, step_fns, params, axes=axes, fsdp=args.fsdp)
   p, state = spmd.init(params)
   losses = []
   for inputs, targets in batches:
@@ -77,7 +78,7 @@ def _run(args) -> dict:
               for k, v in jax.tree_util.tree_flatten_with_path(final)[0]}
       np.savez(args.save_params, **flat)
   if args.check:  # the same steps on one device, unsharded
-    step = jax.jit(train_step)
+    step = jax.jit(step_fns.train_step)
     ref_p = jax.tree.map(jnp.copy, params)
     ref_state = tx.init(ref_p)
     ref_losses = []

@@ -19,9 +19,10 @@ import sys
 from typing import Sequence
 
 import experiments
-from experiments import checkpoint as ckpt_lib
-from experiments import sampling, training
-from experiments.config import TrainConfig
+from experiments.training import checkpoint as ckpt_lib
+from experiments.training import sampling
+from experiments.training import run as training
+from experiments.training.config import TrainConfig
 
 
 def load_run(run_dir: str | pathlib.Path):

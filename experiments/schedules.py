@@ -5,7 +5,7 @@
 
 For every optimizer (and SkewAdam configuration) and every schedule of
 ``--schedules`` (``cosine``, ``wsd``, ``cooldown``; see
-:func:`experiments.optimizers.lr_schedule`), one run per peak rate of the grid
+:func:`experiments.training.optimizers.lr_schedule`), one run per peak rate of the grid
 ``lr × --lr-factors`` (``lr``: the rate the comparison ``--lr-from`` tuned for
 that row, so the grid spans its optimum), with the comparison's model, data,
 batch, horizon (``--steps``) and seed ``--seeds``'s first; then every other
@@ -31,8 +31,8 @@ import sys
 from typing import Sequence
 
 import experiments
-from experiments import optimizers
-from experiments.sweeps import (base_config, entry_key, parse_entries, resolve_config,
+from experiments.training import optimizers
+from experiments.studies.sweeps import (base_config, entry_key, parse_entries, resolve_config,
                                 resolve_entry, row_key, run_name, run_or_reuse, train_overrides,
                                 tuned_rates)
 
@@ -75,11 +75,11 @@ def sweep_schedules(entries: Sequence[tuple[str, dict | None]], *, base, out_dir
   Args:
     entries: what to sweep; SkewAdam configurations are resolved against the
       library's defaults.
-    base: the shared configuration (:func:`experiments.sweeps.base_config`).
+    base: the shared configuration (:func:`experiments.studies.sweeps.base_config`).
     out_dir: the runs' folders.
     tuned: rows of a saved comparison; each entry's grid is centred on its
       row's ``lr`` (a ``ValueError`` names an entry without one).
-    schedules: from :data:`experiments.optimizers.SCHEDULES`.
+    schedules: from :data:`experiments.training.optimizers.SCHEDULES`.
     steps: each run's horizon (warmup: a tenth of it, as in the comparison).
     seeds: the grid runs with the first; the others run at each schedule's best rate.
     lr_factors: the grid, as multiples of the tuned rate.

@@ -5,7 +5,7 @@
         --expert-direction orthogonal --backbone-direction orthogonal
     python -m experiments.state_bytes --preset tiny --optimizer muon --per-leaf --json
 
-Nothing is allocated; the figures come from :mod:`experiments.accounting`.
+Nothing is allocated; the figures come from :mod:`experiments.planning.accounting`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Sequence
 import jax.numpy as jnp
 
 import experiments
-from experiments import config as config_lib
-from experiments import optimizers
-from experiments.accounting import per_leaf, per_leaf_markdown, state_bytes
+from experiments.training import config as config_lib
+from experiments.training import optimizers
+from experiments.planning.accounting import per_leaf, per_leaf_markdown, state_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,8 +14,8 @@ only its own devices' rows of it. ``--mesh data=4,expert=2``
 shards the same step over a device mesh and ``--coordinator-address``,
 ``--num-processes``, ``--process-id`` join several processes
 (``experiments/mesh.py``, ``experiments/distributed.py``). The run itself is
-:mod:`experiments.training`; this module is its command line. Every flag is a field of
-:class:`experiments.config.TrainConfig`, which also says which settings a
+:mod:`experiments.training.run`; this module is its command line. Every flag is a field of
+:class:`experiments.training.config.TrainConfig`, which also says which settings a
 resumed run must keep.
 
 Outputs under ``--out``: ``metrics.jsonl`` (one JSON object per logged step and
@@ -43,10 +43,10 @@ import sys
 from typing import Sequence
 
 import experiments
-from experiments import config as config_lib
-from experiments import distributed
-from experiments.config import TrainConfig
-from experiments.training import TrainingError, train
+from experiments.training import config as config_lib
+from experiments.training import distributed
+from experiments.training.config import TrainConfig
+from experiments.training.run import TrainingError, train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -88,17 +88,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     distributed.initialize_distributed(args.coordinator_address, args.num_processes,
                                     args.process_id)
     out = args.out or str(ROOT / "runs" / f"{config.preset}-{config.optimizer}")
-    summary = train(config, out, resume=args.resume, stop_after=args.stop_after,
-                    progress=not args.no_progress)
+    result = train(config, out, resume=args.resume, stop_after=args.stop_after,
+                   progress=not args.no_progress)
   except (ValueError, OSError) as err:  # bad flags, data or checkpoints: one line
     print(f"error: {err}", file=sys.stderr)
     return 2
   except TrainingError as err:  # the run diverged; its last good checkpoint is kept
     print(f"error: {err}", file=sys.stderr)
     return 3
-  summary.pop("_params")
-  summary.pop("_opt_state")
-  if summary.pop("already_finished", False):
+  summary = result.summary
+  if result.already_finished:
     print(f"{out} already finished {summary['steps']} steps; nothing changed "
           f"(summary in {out}/summary.json)", file=sys.stderr)
   if args.json:

@@ -33,7 +33,7 @@ its names by the small rules below, so no code matches paths or guesses from
 
 The optimizers' tier labels, matrix axes, weight-decay masks and Muon's
 dimension numbers are built from :func:`matrix_dims` and :func:`tier` in
-``experiments.optimizers``; the parameter shardings from
+``experiments.training.optimizers``; the parameter shardings from
 :func:`partition_spec` in ``experiments.parallel``.
 
 Example::

@@ -57,6 +57,12 @@ class MatrixAxes(NamedTuple):
       MaxText bank ``[E, L, d, f]`` declared ``MatrixAxes(2, 3, layer=1)``
       is stepped a layer at a time, not an expert at a time. It changes no
       other tier's arithmetic.
+
+  Example:
+    >>> from skewadam_jax import MatrixAxes
+    >>> query = MatrixAxes(0, (1, 2))      # [D, H, K] as the D x (H*K) matrix
+    >>> query.row_axes, query.col_axes, query.pack_axis
+    ((0,), (1, 2), 2)
   """
   rows: Union[int, tuple[int, ...]] = -2
   cols: Union[int, tuple[int, ...]] = -1

@@ -286,6 +286,17 @@ def get_encoding(name: str, *, block_size: int = 256,
   Raises:
     ValueError: for an unknown name, a non-positive block size or an unknown
       int8 code.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from skewadam_jax import MatrixAxes
+    >>> int8, axes = get_encoding("int8", block_size=4), MatrixAxes(0, 1)  # axes >= 0
+    >>> m = jnp.array([[0.5, -1.0, 0.25, 0.0]])
+    >>> parts = int8.encode(m, axes)
+    >>> {name: (str(x.dtype), x.shape) for name, x in parts.items()}
+    {'mu': ('int8', (1, 4)), 'mu_scale': ('float32', (1, 1))}
+    >>> float(jnp.max(jnp.abs(int8.decode(parts, axes) - m))) <= 1.0 / 254
+    True
   """
   if int8_code not in INT8_CODES:
     raise ValueError(f"Unknown int8_code {int8_code!r}; expected one of {INT8_CODES}.")

@@ -2,10 +2,10 @@
 
 The device count is fixed when JAX starts, so this runs in its own process
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints one JSON
-object: the collective bytes :mod:`experiments.hlo` reads from a function
+object: the collective bytes :mod:`experiments.planning.hlo` reads from a function
 with a known set of collectives, and the update-in-backward step of ``tiny``
 sharded as the planner and the training command lay it out
-(:func:`experiments.mesh.train_shardings` with the layerwise step's
+(:func:`experiments.training.mesh.train_shardings` with the layerwise step's
 ``state_shardings``) against the same steps on one device. Standalone:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_collectives_worker.py
@@ -26,11 +26,11 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import models  # noqa: E402
-from experiments import hlo  # noqa: E402
-from experiments import mesh as mesh_lib  # noqa: E402
-from experiments import optimizers  # noqa: E402
+from experiments.planning import hlo  # noqa: E402
+from experiments.training import mesh as mesh_lib  # noqa: E402
+from experiments.training import optimizers  # noqa: E402
 from experiments import parallel  # noqa: E402
-from experiments import steps as steps_lib  # noqa: E402
+from experiments.training import steps as steps_lib  # noqa: E402
 from models import layerwise as model_layerwise  # noqa: E402
 
 LOOP = 5  # trip count of the scan holding an all-reduce and an all-to-all

@@ -25,13 +25,13 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 import skewadam_jax  # noqa: E402
-from experiments import optimizers  # noqa: E402
-from experiments import mesh as mesh_lib  # noqa: E402
+from experiments.training import optimizers  # noqa: E402
+from experiments.training import mesh as mesh_lib  # noqa: E402
 from experiments import parallel  # noqa: E402
-from experiments import steps  # noqa: E402
-from experiments import training  # noqa: E402
-from experiments.config import TrainConfig  # noqa: E402
-from experiments.metrics_log import read_metrics  # noqa: E402
+from experiments.training import steps  # noqa: E402
+from experiments.training import run as training  # noqa: E402
+from experiments.training.config import TrainConfig  # noqa: E402
+from experiments.training.metrics_log import read_metrics  # noqa: E402
 
 # The run `python -m experiments.parallel --preset tiny --compute-dtype float32
 # --steps 2 --batch-size 8 --seq-len 32 --lr 1e-3 --seed 0` makes.
@@ -151,7 +151,7 @@ def train_command(tmp: pathlib.Path) -> dict:
       preset="tiny", mesh="data=2,expert=4", fsdp=True, steps=3, batch_size=4, seq_len=16,
       eval_batches=1, warmup_steps=1, data=str(corpus))
   summary = training.train(config, tmp / "run", cache_dir=tmp / "tok", progress=False)
-  expert = summary["_params"]["layers"]["moe"]["experts"]["w_up"]
+  expert = summary.params["layers"]["moe"]["experts"]["w_up"]
   return {"val_ppl": summary["val_ppl"], "train_loss": summary["train_loss"],
           "w_up_spec": [str(a) for a in expert.sharding.spec],
           "checkpoints": sorted(p.name for p in (tmp / "run" / "ckpt").iterdir())}
@@ -160,7 +160,7 @@ def train_command(tmp: pathlib.Path) -> dict:
 def train_command_layerwise(tmp: pathlib.Path) -> dict:
   """`experiments.train --mesh data=2,expert=4 --update-in-backward` against one device,
   and the memory planner's compiled step for that configuration against the command's."""
-  from experiments import planner  # pylint: disable=import-outside-toplevel
+  from experiments.planning import planner  # pylint: disable=import-outside-toplevel
   corpus = _write_corpus(tmp / "corpus-layerwise", seed=1)
   settings = dict(preset="tiny", update_in_backward=True, steps=3, batch_size=8, seq_len=16,
                   eval_batches=1, warmup_steps=1, data=str(corpus), log_every=1,
@@ -201,7 +201,7 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
   trained, planned = fingerprints(run)
   standard_trained, standard_planned = fingerprints(standard_run)
   return {"losses": losses, "ref_losses": ref_losses,
-          "max_param_diff": max_abs_diff(sharded["_params"], one),
+          "max_param_diff": max_abs_diff(sharded.params, one),
           "standard_max_param_diff": max_abs_diff(standard_mesh, standard_one),
           "trained_fingerprint": planner.step_fingerprint(trained),
           "planned_fingerprint": planned["fingerprint"],

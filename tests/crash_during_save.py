@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from orbax.checkpoint._src.path import atomicity  # pylint: disable=g-import-not-at-top
 
-from experiments.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+from experiments.training.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
 
 
 def main():

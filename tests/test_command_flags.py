@@ -1,7 +1,7 @@
 """One set of flag names: every command spells a setting as the training command does.
 
 Each command (``python -m experiments.NAME``) exposes ``build_parser()``. A
-flag whose destination is a :class:`~experiments.config.TrainConfig` field
+flag whose destination is a :class:`~experiments.training.config.TrainConfig` field
 must be that field's flag (``--batch-size`` for ``batch_size``; older
 spellings such as the planner's ``--batch`` stay as aliases), and a flag
 string means the same setting in every command that has it.
@@ -12,11 +12,11 @@ import importlib
 
 import pytest
 
-from experiments.config import TrainConfig
+from experiments.training.config import TrainConfig
 from tests.test_experiments_layout import COMMANDS as COMMAND_MODULES
 
-# The commands, and the data library's own command line (python -m experiments.data).
-COMMANDS = sorted(COMMAND_MODULES | {"data"})
+# The commands (python -m experiments.data is the data package's __main__).
+COMMANDS = sorted(COMMAND_MODULES)
 FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 

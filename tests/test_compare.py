@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from experiments import compare
-from experiments import sweeps
+from experiments.studies import sweeps
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from experiments import config as config_lib
+from experiments.training import config as config_lib
 from experiments import memory
-from experiments import planner
+from experiments.planning import planner
 from experiments import train as train_lib
 
 # A shape no preset has: 6 layers, width 256, 16 experts, top-2, expert width 512.

@@ -303,7 +303,7 @@ def test_tokenizer_cache_hit_does_not_retrain(tiny_docs, tmp_path,
   def fail(*args):
     raise AssertionError("retrained despite a cache hit")
 
-  monkeypatch.setattr(data, "_train_bpe", fail)
+  monkeypatch.setattr(data.tokenizer, "_train_bpe", fail)
   second = data.train_or_load_tokenizer(tiny_docs, 300, tmp_path)
   assert second.to_str() == first.to_str()
   assert path.stat().st_mtime_ns == mtime
@@ -324,7 +324,7 @@ def test_encode_documents_separators_and_chunking(tiny_docs, tiny_tokenizer):
   assert texts == [d.text for d in tiny_docs[:3]]
   # Cutting at pre-tokenizer boundaries never changes the ids.
   text = "\n".join(d.text for d in tiny_docs) + " " + UNICODE_SAMPLES[4]
-  chunks = list(data._chunks(text, size=500))  # pylint: disable=protected-access
+  chunks = list(data.tokenizer._chunks(text, size=500))  # pylint: disable=protected-access
   assert len(chunks) > 10 and "".join(chunks) == text
   chunked = [i for c in chunks for i in tiny_tokenizer.encode(c).ids]
   assert chunked == tiny_tokenizer.encode(text).ids

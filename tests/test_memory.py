@@ -13,11 +13,11 @@ import pytest
 
 import models
 import skewadam_jax
-from experiments import config as config_lib
-from experiments import hlo
+from experiments.training import config as config_lib
+from experiments.planning import hlo
 from experiments import memory
-from experiments import planner
-from experiments import optimizers
+from experiments.planning import planner
+from experiments.training import optimizers
 from tests import _xla
 
 

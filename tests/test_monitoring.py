@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 
 import models
-from experiments import monitoring, sample, sampling
-from experiments import config as config_lib
-from experiments import training
+from experiments import sample
+from experiments.training import monitoring
+from experiments.training import sampling
+from experiments.training import config as config_lib
+from experiments.training import run as training
 
 
 def test_routing_health_by_hand():

@@ -26,10 +26,10 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import models
 import skewadam_jax
-from experiments import optimizers
-from experiments import distributed
-from experiments import mesh as mesh_lib
-from experiments import steps
+from experiments.training import optimizers
+from experiments.training import distributed
+from experiments.training import mesh as mesh_lib
+from experiments.training import steps
 from experiments import train as train_lib
 from tests import _xla
 

@@ -18,10 +18,11 @@ import pytest
 
 import models
 from experiments import data
-from experiments import mesh as mesh_lib
+from experiments.data import __main__ as data_command
+from experiments.training import mesh as mesh_lib
 from experiments import train as train_lib
-from experiments import training
-from experiments.checkpoint import CheckpointError
+from experiments.training import run as training
+from experiments.training.checkpoint import CheckpointError
 
 SMALL = dict(read_bytes=1000, piece_chars=500, encode_chars=3000, shard_tokens=20_000,
              progress=False)
@@ -282,7 +283,7 @@ def test_train_command_exits_2_with_one_line(prepared, tiny_prepared, tmp_path, 
 def test_the_models_vocabulary_follows_the_prepared_corpus(corpus, tmp_path, capsys):
   # `data prepare` with its defaults, then `train --preset tiny --data PREP`.
   prep = tmp_path / "prep"
-  assert data.main(["prepare", "--data", str(corpus), "--out", str(prep),
+  assert data_command.main(["prepare", "--data", str(corpus), "--out", str(prep),
                     "--cache-dir", str(tmp_path / "tok"), "--no-progress"]) == 0
   vocab = data.open_prepared(prep).vocab_size
   assert vocab > models.get_preset("tiny").vocab_size  # the preset's would not hold it
@@ -298,9 +299,9 @@ def test_the_models_vocabulary_follows_the_prepared_corpus(corpus, tmp_path, cap
 def test_data_command_prepares_and_reports_errors(corpus, tmp_path, capsys):
   argv = ["prepare", "--data", str(corpus / "extra"), "--out", str(tmp_path / "out"),
           "--vocab-size", "256", "--cache-dir", str(tmp_path / "tok"), "--no-progress"]
-  assert data.main(argv) == 0
+  assert data_command.main(argv) == 0
   assert capsys.readouterr().out.startswith(f"prepared {tmp_path / 'out'}: ")
-  assert data.main(argv) == 2
+  assert data_command.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert err == f"error: {tmp_path / 'out'}: folder is not empty (--overwrite replaces a " \
       "prepared corpus there)"
@@ -346,8 +347,8 @@ def test_resume_on_a_prepared_corpus_is_exact(tmp_path, tiny_run, tiny_prepared)
   train_lib.train(config, tmp_path / "cut", stop_after=2, progress=False, run=tiny_run)
   resumed = train_lib.train(config, tmp_path / "cut", resume=True, progress=False,
                             run=tiny_run)
-  _assert_trees_equal(resumed["_params"], full["_params"])
-  _assert_trees_equal(resumed["_opt_state"], full["_opt_state"])
+  _assert_trees_equal(resumed.params, full.params)
+  _assert_trees_equal(resumed.opt_state, full.opt_state)
   # Another corpus at the same path (another fingerprint) is refused on resume.
   other = copy.copy(tiny_run)
   other.data_fingerprint = "0123456789abcdef"

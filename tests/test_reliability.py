@@ -23,9 +23,10 @@ import optax
 import pytest
 
 import skewadam_jax as sa
-from experiments import checkpoint as ckpt_lib
+from experiments.training import checkpoint as ckpt_lib
+from experiments.training import config as config_lib
 from experiments import train as train_lib
-from experiments import training
+from experiments.training import run as training
 from tests._steps import run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -117,8 +118,8 @@ def test_training_skips_a_nan_step_exactly(tmp_path, runs):
   for step in (0, 1, 3, 4, 5, 6, 7):
     params, opt_state, _ = run.train_step(params, opt_state, *run.dataset.batch_at(step),
                                           grad_scale=np.float32(1.0))
-  assert_trees_equal(summary["_params"], params)
-  assert_trees_equal(summary["_opt_state"].inner_state, opt_state.inner_state)
+  assert_trees_equal(summary.params, params)
+  assert_trees_equal(summary.opt_state.inner_state, opt_state.inner_state)
 
 
 @pytest.mark.parametrize("skip, nan_steps, message, last_ckpt", [
@@ -167,13 +168,13 @@ def full_sr_run(tmp_path_factory, sr_run):
 
 
 def test_bf16_stochastic_rounding_run_resumes_exactly(tmp_path, sr_run, full_sr_run):
-  assert {p.dtype for p in jax.tree.leaves(full_sr_run["_params"])} == {jnp.dtype(jnp.bfloat16)}
+  assert {p.dtype for p in jax.tree.leaves(full_sr_run.params)} == {jnp.dtype(jnp.bfloat16)}
   assert np.isfinite(full_sr_run["val_ppl"])
   config = sr_run.config
   train_lib.train(config, tmp_path, stop_after=3, progress=False, run=sr_run)
   resumed = train_lib.train(config, tmp_path, resume=True, progress=False, run=sr_run)
-  assert_trees_equal(resumed["_params"], full_sr_run["_params"])
-  assert_trees_equal(resumed["_opt_state"], full_sr_run["_opt_state"])
+  assert_trees_equal(resumed.params, full_sr_run.params)
+  assert_trees_equal(resumed.opt_state, full_sr_run.opt_state)
 
 
 def _largest_file(folder):
@@ -197,7 +198,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
   assert "does not match its checksum" in err or "cannot read its arrays" in err
   assert "falling back to the previous checkpoint" in err
   assert (tmp_path / "ckpt-corrupt" / "4").is_dir()
-  assert_trees_equal(resumed["_params"], full_sr_run["_params"])
+  assert_trees_equal(resumed.params, full_sr_run.params)
   steps = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
            if "loss" in r]
   assert steps == [1, 2, 3, 4, 5, 6]  # the records after step 2 were replaced
@@ -274,11 +275,10 @@ def test_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, ch
   checkpointer = ckpt_lib.Checkpointer(tmp_path)
   config = {"preset": "tiny", "optimizer": "skewadam", "expert_momentum": None}
   checkpointer.save(1, small_state(), {"config": config, "data_fingerprint": "aaaa"})
-  kwargs = {"expect": config, "expect_meta": {"data_fingerprint": "aaaa"}}
-  kwargs["expect"] = {**config, **change.get("expect", {})}
-  kwargs["expect_meta"].update(change.get("expect_meta", {}))
+  check = config_lib.resume_check({**config, **change.get("expect", {})},
+                                  change.get("expect_meta", {}).get("data_fingerprint", "aaaa"))
   with pytest.raises(ckpt_lib.CheckpointError, match=message) as info:
-    checkpointer.restore_latest(change.get("like", small_state()), **kwargs)
+    checkpointer.restore_latest(change.get("like", small_state()), check=check)
   assert not isinstance(info.value, ckpt_lib.CorruptCheckpointError)
   assert checkpointer.all_steps() == [1]
   checkpointer.close()

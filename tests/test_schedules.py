@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from experiments import optimizers
-from experiments.config import TrainConfig, with_defaults
+from experiments.training import optimizers
+from experiments.training.config import TrainConfig, with_defaults
 
 
 def _at(schedule, step):

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from experiments import schedules
-from experiments import sweeps
-from experiments.config import TrainConfig
+from experiments.studies import sweeps
+from experiments.training.config import TrainConfig
 
 
 def test_loss_spikes_counts_jumps_over_the_running_median():

@@ -10,10 +10,10 @@ worker (tests/_parallel_worker.py, checked in tests/test_parallel.py).
 import jax
 import pytest
 
-from experiments import config as config_lib
-from experiments import planner
-from experiments import steps
-from experiments import training
+from experiments.training import config as config_lib
+from experiments.planning import planner
+from experiments.training import steps
+from experiments.training import run as training
 
 BATCH, SEQ = 2, 16
 

@@ -8,12 +8,12 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import checkpoint
-from experiments import optimizers
-from experiments import steps
+from experiments.training import config as config_lib
+from experiments.training import optimizers
+from experiments.training import steps
 from experiments import train as train_lib
-from experiments import training
-from experiments.steps import abstract_axes, abstract_params
+from experiments.training import run as training
+from experiments.training.steps import abstract_axes, abstract_params
 
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, eval_batches=2, log_every=1,
             warmup_steps=2, sample_tokens=0)
@@ -50,13 +50,13 @@ def test_resume_matches_uninterrupted_run(tmp_path, corpus, cache_dir):
   np.testing.assert_allclose(read_losses(tmp_path / "split"), read_losses(tmp_path / "full"),
                              rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               resumed["_params"], full["_params"])
+               resumed.params, full.params)
   assert resumed["val_ppl"] == pytest.approx(full["val_ppl"], rel=1e-6)
   # Resuming the finished run again changes nothing and keeps its figures.
   files = {name: (tmp_path / "split" / name).read_bytes()
            for name in ("summary.json", "metrics.jsonl")}
   again = train_lib.train(config, tmp_path / "split", resume=True, progress=False, run=run)
-  assert again["already_finished"] and again["tokens_per_s"] == resumed["tokens_per_s"]
+  assert again.already_finished and again["tokens_per_s"] == resumed["tokens_per_s"]
   assert {name: (tmp_path / "split" / name).read_bytes() for name in files} == files
 
 
@@ -68,8 +68,8 @@ def test_every_flag_has_help_and_the_structural_fields_come_from_the_config():
       a.option_strings for a in options if not a.help]
   help_text = parser.format_help()
   assert "{fp32,bf16,int8,sign,none}" in help_text and "default 600" in help_text
-  assert "backbone_momentum" in checkpoint.STRUCTURAL_FIELDS
-  assert not {"eval_every", "log_every", "ckpt_every", "mesh"} & set(checkpoint.STRUCTURAL_FIELDS)
+  assert "backbone_momentum" in config_lib.STRUCTURAL_FIELDS
+  assert not {"eval_every", "log_every", "ckpt_every", "mesh"} & set(config_lib.STRUCTURAL_FIELDS)
 
 
 def test_resume_refuses_a_different_optimizer(tmp_path, corpus, cache_dir):

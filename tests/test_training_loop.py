@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import metrics_log
-from experiments import training
-from experiments.checkpoint import Checkpointer
-from experiments.config import TrainConfig
+from experiments.training import metrics_log
+from experiments.training import run as training
+from experiments.training.checkpoint import Checkpointer
+from experiments.training.config import TrainConfig
 
 
 class Scalar:

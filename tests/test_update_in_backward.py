@@ -1,5 +1,5 @@
 """The update inside the backward pass on this project's model (models/layerwise.py,
-experiments.steps.layerwise_step and --update-in-backward).
+experiments.training.steps.layerwise_step and --update-in-backward).
 
 References: the standard train step (all gradients, then the update) with
 optax's global-norm clipping and ``apply_if_finite``, on ``tiny`` in float32.
@@ -14,8 +14,11 @@ import pytest
 from flax import nnx
 
 import models
-from experiments import config as config_lib
-from experiments import optimizers, planner, steps, training
+from experiments.training import config as config_lib
+from experiments.training import optimizers
+from experiments.planning import planner
+from experiments.training import steps
+from experiments.training import run as training
 from models import layerwise as model_layerwise
 from skewadam_jax import layerwise
 
@@ -252,6 +255,6 @@ def test_training_with_the_flag_resumes_exactly(tmp_path, corpus, cache_dir):
   full = training.train(config, tmp_path / "full", progress=False, run=run)
   training.train(config, tmp_path / "part", stop_after=2, progress=False, run=run)
   resumed = training.train(config, tmp_path / "part", resume=True, progress=False, run=run)
-  jax.tree.map(np.testing.assert_array_equal, resumed["_params"], full["_params"])
-  jax.tree.map(np.testing.assert_array_equal, resumed["_opt_state"], full["_opt_state"])
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, full.params)
+  jax.tree.map(np.testing.assert_array_equal, resumed.opt_state, full.opt_state)
   assert np.isfinite(full["val_ppl"]) and full["opt_state_bytes_by_tier"]["expert"] > 0

@@ -23,11 +23,13 @@ What protects a run:
   first; a step that cannot be read or fails its checksum is reported in one
   line, moved aside to ``<dir>-corrupt/`` (so later saves of lower steps are
   not refused by orbax) and the previous step is tried.
-* **Refusal.** A checkpoint whose configuration differs from the run's in a
-  field that changes the model, the optimizer, its state or the data
-  (:data:`STRUCTURAL_FIELDS`), whose training data differs, or whose leaves
-  differ in path, shape or dtype is refused with a message naming the
-  difference; it is *not* treated as damage and nothing falls back.
+* **Refusal.** A checkpoint that the caller's ``check`` says is another
+  run's (the training run passes
+  :func:`experiments.training.config.resume_check`: a field that changes the
+  model, the optimizer, its state or the data, or other training data), or
+  whose leaves differ in path, shape or dtype, is refused with a message
+  naming the difference; it is *not* treated as damage and nothing falls
+  back. The store itself is storage only: it knows no training policy.
 """
 
 from __future__ import annotations
@@ -41,12 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-
-from experiments import config as config_lib
-
-# Config fields a resumed run must share with its checkpoint: the config's
-# structural fields (experiments/config.py), not a copy of their names.
-STRUCTURAL_FIELDS = config_lib.STRUCTURAL_FIELDS
 
 _MAX_REASON_CHARS = 240
 
@@ -190,17 +186,16 @@ class Checkpointer:
           "damaged or belongs to another step")
     return meta
 
-  def restore(self, step: int, like, *, expect: dict | None = None,
-              expect_meta: dict | None = None):
+  def restore(self, step: int, like, *, check: Callable[[dict], str | None] | None = None):
     """Restores the checkpoint at ``step`` onto the structure of ``like``.
 
     Args:
       step: a saved step.
       like: a pytree (arrays or ``ShapeDtypeStruct``) with the structure,
         shapes and dtypes to restore.
-      expect: configuration the checkpoint must match on ``STRUCTURAL_FIELDS``.
-      expect_meta: top-level metadata the checkpoint must match where it
-        records the key (e.g. ``{"data_fingerprint": ...}``).
+      check: called with the checkpoint's metadata; a string it returns is
+        why the checkpoint is another run's, and it is refused with it
+        (``None``: accepted).
 
     Returns:
       ``(state, meta)``.
@@ -212,17 +207,9 @@ class Checkpointer:
     """
     meta = self.read_meta(step)
     where = f"checkpoint at step {step} in {self.directory}"
-    if expect is not None:
-      saved = config_lib.with_defaults(meta.get("config", {}))
-      for field in STRUCTURAL_FIELDS:
-        if field in expect and saved.get(field) != expect[field]:
-          raise CheckpointError(
-              f"{where} has {field}={saved.get(field)!r} but this run has "
-              f"{field}={expect[field]!r}")
-    for key, value in (expect_meta or {}).items():
-      if key in meta and meta[key] != value:
-        raise CheckpointError(f"{where} has {key}={meta[key]!r} but this run has "
-                              f"{key}={value!r}")
+    reason = check(meta) if check is not None else None
+    if reason:
+      raise CheckpointError(f"{where} {reason}")
     leaves, treedef = jax.tree.flatten(like)
     specs = leaf_specs(like)
     if meta.get("num_leaves") not in (None, len(leaves)):
@@ -252,13 +239,12 @@ class Checkpointer:
               f"{where}: leaf {path} does not match its checksum (damaged file)")
     return jax.tree.unflatten(treedef, state), meta
 
-  def restore_latest(self, like, *, expect: dict | None = None,
-                     expect_meta: dict | None = None,
+  def restore_latest(self, like, *, check: Callable[[dict], str | None] | None = None,
                      warn: Callable[[str], None] = _warn):
     """Restores the newest usable checkpoint, falling back past damaged ones.
 
     Args:
-      like, expect, expect_meta: as in :meth:`restore`.
+      like, check: as in :meth:`restore`.
       warn: called with a one-line message for each damaged checkpoint
         skipped (default: print to stderr).
 
@@ -273,7 +259,7 @@ class Checkpointer:
     damaged = []
     for step in reversed(self.all_steps()):
       try:
-        state, meta = self.restore(step, like, expect=expect, expect_meta=expect_meta)
+        state, meta = self.restore(step, like, check=check)
       except CorruptCheckpointError as err:
         warn(f"warning: {err}; falling back to the previous checkpoint")
         damaged.append((step, err))

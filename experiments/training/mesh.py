@@ -1,7 +1,7 @@
 """Data and expert parallelism with JAX SPMD: mesh, shardings, the sharded train step.
 
 A library module (the training command and ``python -m experiments.parallel``
-use it); :mod:`experiments.distributed` joins several processes.
+use it); :mod:`experiments.training.distributed` joins several processes.
 
 The layout, on a ``jax.sharding.Mesh`` with axes ``("data", "expert")``; the
 parameters' rows follow from their declared logical axes
@@ -34,7 +34,7 @@ mesh for that ``shard_map``.
 The train step is compiled with explicit ``in_shardings``/``out_shardings`` and
 donated parameters and state, so each device keeps only its shards from one
 step to the next. Several processes (one per host) use the same code after
-joining them (:func:`experiments.distributed.initialize_distributed`): a host
+joining them (:func:`experiments.training.distributed.initialize_distributed`): a host
 array given to :func:`put` must be the same global batch in every process,
 which keeps only its own devices' part of it; :func:`batch_from_rows` (the
 training command's batches) has each process read only its own rows.
@@ -232,7 +232,7 @@ def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
   as in :func:`batch_sharding`. ``state_shardings(params, param_shardings)``
   gives the optimizer state's (default :func:`skewadam_jax.state_shardings`
   of ``tx``; a step with its own state layout, such as the layerwise step,
-  passes its own: ``experiments.steps.TrainStep.state_shardings``).
+  passes its own: ``experiments.training.steps.TrainStep.state_shardings``).
 
   Example:
     >>> import optax
@@ -344,7 +344,7 @@ def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
                        donate: bool = True) -> Callable:
   """Compiles ``train_step(params, opt_state, inputs, targets, **kwargs)`` for the mesh.
 
-  ``train_step`` is the training command's (``experiments.steps.make_step_fns``).
+  ``train_step`` is the training command's (``experiments.training.steps.make_step_fns``).
   Inputs and outputs have explicit shardings, so parameters and optimizer
   state come out exactly as they went in (step after step, nothing drifts to
   replicated) and metrics come out replicated. ``jit`` takes no keyword
@@ -411,7 +411,7 @@ def spmd_steps(mesh: Mesh, step, params, *, axes: Mapping[str, tuple],
 
   Args:
     mesh: from :func:`make_mesh`.
-    step: the run's :class:`experiments.steps.TrainStep` (its optimizer, train
+    step: the run's :class:`experiments.training.steps.TrainStep` (its optimizer, train
       and eval steps, state initialiser and state shardings).
     params: the parameters (or ``ShapeDtypeStruct`` s).
     axes, fsdp: see :func:`param_shardings`.

@@ -7,7 +7,7 @@ For a preset and an optimizer, :func:`plan` reports
   parameters), optimizer state by tier;
 * XLA's compiled memory analysis of the whole jitted train step (forward,
   backward, optimizer update; parameters and optimizer state donated): the very
-  ``train_step`` of :func:`experiments.steps.make_step_fns`, compiled for the
+  ``train_step`` of :func:`experiments.training.steps.make_step_fns`, compiled for the
   target GPU on a machine without one ("deviceless" compilation against the
   target description in ``experiments/gpu_targets/``).
   ``peak = argument + output − alias + temp``;
@@ -19,10 +19,10 @@ For a preset and an optimizer, :func:`plan` reports
 
 With ``devices=N`` the step is compiled for N devices of the target (an
 N-GPU node, or N TPU chips), with the training command's mesh and shardings
-(:mod:`experiments.mesh`; the batch split over ``data``): the memory figures
+(:mod:`experiments.training.mesh`; the batch split over ``data``): the memory figures
 are then one device's (XLA's analysis of the SPMD program), the batch is the
 global one, and the report adds the bytes each collective kind handles per
-device per step (:func:`experiments.hlo.collective_bytes`).
+device per step (:func:`experiments.planning.hlo.collective_bytes`).
 
 TPU targets (``tpu-v5e``, ``tpu-v5p``, ``tpu-v6e``) compile through libtpu's
 ahead-of-time compiler, also without the hardware (the ``tpu-compile``
@@ -54,11 +54,11 @@ import models
 import skewadam_jax
 from experiments import startup
 import experiments
-from experiments import config as config_lib
-from experiments import hlo
-from experiments import mesh as mesh_lib
-from experiments import optimizers
-from experiments import steps as steps_lib
+from experiments.training import config as config_lib
+from experiments.planning import hlo
+from experiments.training import mesh as mesh_lib
+from experiments.training import optimizers
+from experiments.training import steps as steps_lib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"
 # GPU descriptions for deviceless compiles. The A100 and H100 files are what
@@ -344,12 +344,12 @@ def train_config(preset: str, optimizer: str, *, skewadam_tiers: dict | None = N
                  clip_mode: str = "exact", skip_nonfinite: int = 0,
                  stochastic_rounding: bool = False, moe_impl: str | None = None,
                  **settings) -> config_lib.TrainConfig:
-  """The training command's :class:`~experiments.config.TrainConfig` for these settings.
+  """The training command's :class:`~experiments.training.config.TrainConfig` for these settings.
 
   The planner plans the step this configuration's ``train`` runs
-  (:func:`experiments.steps.build_step`); the schedule's values do not change
+  (:func:`experiments.training.steps.build_step`); the schedule's values do not change
   memory, so the command's default schedule stands. ``settings`` are any
-  other :class:`~experiments.config.TrainConfig` fields (the model's shape,
+  other :class:`~experiments.training.config.TrainConfig` fields (the model's shape,
   the clip norm, ...).
   """
   config = config_lib.TrainConfig(
@@ -363,7 +363,7 @@ def train_config(preset: str, optimizer: str, *, skewadam_tiers: dict | None = N
 
 def make_tx(optimizer: str, preset: str, skewadam_tiers: dict | None = None, *,
             update_in_backward: bool = False):
-  """The training command's optimizer for ``preset`` (:func:`experiments.steps.make_tx`)."""
+  """The training command's optimizer for ``preset`` (:func:`experiments.training.steps.make_tx`)."""
   config = train_config(preset, optimizer, skewadam_tiers=skewadam_tiers,
                         update_in_backward=update_in_backward)
   return steps_lib.make_tx(config, steps_lib.abstract_axes(preset))
@@ -383,7 +383,7 @@ def with_sharding(tree, sharding):
 
 def batch_shards(mesh: Mapping[str, int], expert_parallel: bool) -> int:
   """How many ways the global batch is split: over ``data``, and ``expert``
-  too with the expert-parallel MoE layer (``experiments.mesh.batch_sharding``)."""
+  too with the expert-parallel MoE layer (``experiments.training.mesh.batch_sharding``)."""
   return mesh["data"] * (mesh["expert"] if expert_parallel else 1)
 
 
@@ -409,12 +409,12 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
   """XLA's memory analysis of the donated train step of ``config``'s run, compiled for
   ``target``, and its :func:`matmul_flops`.
 
-  The step is :func:`experiments.steps.build_step`'s: the one ``train`` runs.
+  The step is :func:`experiments.training.steps.build_step`'s: the one ``train`` runs.
   With ``devices``: compiled for that many devices of ``target`` on a
   ``mesh`` (``{"data": a, "expert": b}``, default :func:`default_mesh_shape`)
   with the training command's shardings (``batch`` is the global batch, split
   over ``data``); the analysis is then one device's and the result adds
-  ``collective_bytes`` (:func:`experiments.hlo.collective_bytes`, layer loops
+  ``collective_bytes`` (:func:`experiments.planning.hlo.collective_bytes`, layer loops
   of unknown trip count taken as the preset's layer count). A TPU target
   always compiles this way (one chip by default).
   """
@@ -633,7 +633,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   batch that fits are then global, searched over multiples of the ``data``
   size. ``progress(message)``, if given, is told about each compile. The
   step is the one ``train`` runs with the same settings (:func:`train_config`,
-  :func:`experiments.steps.build_step`).
+  :func:`experiments.training.steps.build_step`).
   """
   if batch < 1:
     raise ValueError(f"--batch must be >= 1, got {batch}")

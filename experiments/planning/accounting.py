@@ -1,7 +1,7 @@
 """Optimizer-state bytes and per-parameter plans for a model preset, without allocating.
 
 Parameters come from ``nnx.eval_shape`` of the real model
-(:func:`experiments.steps.abstract_model`), the optimizer state from
+(:func:`experiments.training.steps.abstract_model`), the optimizer state from
 ``jax.eval_shape(tx.init, params)``; the byte counts are exact. The
 per-parameter plan (:func:`per_leaf`) is read from the objects the training
 step is built from. ``python -m experiments.state_bytes`` prints both.
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import skewadam_jax
-from experiments import optimizers
-from experiments.steps import abstract_axes, abstract_params
+from experiments.training import optimizers
+from experiments.training.steps import abstract_axes, abstract_params
 
 # per_leaf observes weight decay with a real update on presets up to this size.
 OBSERVE_MAX_PARAMS = 50_000_000

@@ -1,9 +1,9 @@
 """One training run as a library: set-up and resume, the loop, the non-finite guard.
 
 :class:`Run` builds the model, the optimizer, the data and the compiled steps
-of a :class:`~experiments.config.TrainConfig`; :func:`train` runs its loop
-with checkpoints (:mod:`experiments.checkpoint`) and a metrics log with a
-progress bar (:mod:`experiments.metrics_log`). ``python -m experiments.train``
+of a :class:`~experiments.training.config.TrainConfig`; :func:`train` runs its loop
+with checkpoints (:mod:`experiments.training.checkpoint`) and a metrics log with a
+progress bar (:mod:`experiments.training.metrics_log`). ``python -m experiments.train``
 is the command around it. The loop reads a step's metrics only after the next
 step has been dispatched, so the host never waits for the device between
 steps (it waits at evaluations and checkpoints, which need the parameters).
@@ -11,6 +11,7 @@ steps (it waits at evaluations and checkpoints, which need the parameters).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import hashlib
 import json
@@ -28,19 +29,45 @@ from flax import nnx
 import models
 import skewadam_jax
 from experiments import data as data_lib
-from experiments import mesh as mesh_lib
-from experiments import monitoring
-from experiments import optimizers
-from experiments import sampling
-from experiments import steps as steps_lib
-from experiments.checkpoint import Checkpointer
-from experiments.config import TrainConfig
-from experiments.metrics_log import MetricsLog, read_metrics, write_atomically
+from experiments.training import config as config_lib
+from experiments.training import mesh as mesh_lib
+from experiments.training import monitoring
+from experiments.training import optimizers
+from experiments.training import sampling
+from experiments.training import steps as steps_lib
+from experiments.training.checkpoint import Checkpointer
+from experiments.training.config import TrainConfig
+from experiments.training.metrics_log import MetricsLog, read_metrics, write_atomically
 
 
 SAMPLE_PROMPT_TOKENS = 16  # the evaluation samples continue the validation text's start
 SAMPLE_LOG_CHARS = 200  # of each sample, in metrics.jsonl
 TRAIN_SCALARS = ("loss", "ce_loss", "lb_loss", "z_loss", "grad_norm")  # to TensorBoard
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainResult(collections.abc.Mapping):
+  """What :func:`train` returns: the run's summary, and its final state.
+
+  It reads as the summary (``result["val_ppl"]``, ``json.dumps(dict(result))``:
+  what ``summary.json`` holds), so the device state never travels inside a
+  JSON dictionary. ``already_finished`` is true when a resumed run had
+  nothing left to do (its summary is the saved one).
+  """
+
+  summary: dict
+  params: object
+  opt_state: object
+  already_finished: bool = False
+
+  def __getitem__(self, key):
+    return self.summary[key]
+
+  def __iter__(self):
+    return iter(self.summary)
+
+  def __len__(self):
+    return len(self.summary)
 
 
 class TrainingError(RuntimeError):
@@ -146,7 +173,7 @@ class Run:
     """A continuation of the validation text's first tokens (``sample_tokens`` of them).
 
     Sampled at temperature 1 with top-k 40 and a key from ``(seed, step)``;
-    the full recompute per token is :mod:`experiments.sampling`'s.
+    the full recompute per token is :mod:`experiments.training.sampling`'s.
     """
     if self._next_token is None:
       self._next_token = sampling.make_next_token(self.graphdef, self.rest, top_k=40)
@@ -208,8 +235,8 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
       compiled: several runs in one process, e.g. tests, compile once).
 
   Returns:
-    The summary (as ``summary.json``, plus ``"_params"`` and
-    ``"_opt_state"``, the final state).
+    A :class:`TrainResult`: the summary (as ``summary.json``) and the final
+    parameters and optimizer state.
 
   Raises:
     ValueError: bad configuration or data, or a checkpoint of another run
@@ -233,7 +260,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
 
 
 def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
-           stop_after: int | None, progress: bool, poisoned: frozenset) -> dict:
+           stop_after: int | None, progress: bool, poisoned: frozenset) -> TrainResult:
   config = run.config
   config_dict = dataclasses.asdict(config)
   params, opt_state = run.init_state()
@@ -244,13 +271,12 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
                      "pass --resume to continue it or choose another --out")
   if resume and latest is not None:
     start, (params, opt_state), _ = ckpt.restore_latest(
-        (params, opt_state), expect=config_dict,
-        expect_meta={"data_fingerprint": run.data_fingerprint})
+        (params, opt_state), check=config_lib.resume_check(config_dict, run.data_fingerprint))
   metrics_path = out / "metrics.jsonl"
   if resume and start == config.steps and (out / "summary.json").exists():
     # A finished run: resuming it changes nothing, its figures are kept.
     summary = json.loads((out / "summary.json").read_text())
-    return {**summary, "already_finished": True, "_params": params, "_opt_state": opt_state}
+    return TrainResult(summary, params, opt_state, already_finished=True)
   # In a multi-process run every process trains (and saves checkpoints jointly),
   # but only process 0 writes the logs, the summary and the progress bar.
   is_chief = jax.process_index() == 0
@@ -394,6 +420,4 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
     log.close()
     if board is not None:
       board.close()
-  summary["_params"] = params
-  summary["_opt_state"] = opt_state
-  return summary
+  return TrainResult(summary, params, opt_state)

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 
 import models
 import skewadam_jax
-from experiments import optimizers
-from experiments import mesh as mesh_lib
+from experiments.training import optimizers
+from experiments.training import mesh as mesh_lib
 
 PARAM_DTYPES = ("float32", "bfloat16")
-ROOT = pathlib.Path(__file__).resolve().parent.parent  # the checkout
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout
 
 
 _AS_DEFAULT = object()
@@ -265,6 +265,36 @@ def with_defaults(saved: dict) -> dict:
   """
   defaults = {f.name: f.metadata["before"] for f in dataclasses.fields(TrainConfig)}
   return {**defaults, **saved}
+
+
+def resume_check(config: dict, data_fingerprint: str | None = None):
+  """The test a checkpoint's metadata must pass to be resumed by this run.
+
+  Returns a function of a checkpoint's metadata that gives the first
+  difference that makes it another run's (a :data:`STRUCTURAL_FIELDS` field,
+  or the training data's fingerprint), or ``None``: the checkpoint store
+  (:meth:`~experiments.training.checkpoint.Checkpointer.restore`) calls it and
+  refuses the checkpoint with that reason; it knows nothing of the policy.
+
+  Example:
+    >>> check = resume_check({"optimizer": "adamw"}, "abc")
+    >>> check({"config": {"optimizer": "skewadam"}})
+    "has optimizer='skewadam' but this run has optimizer='adamw'"
+    >>> check({"config": {"optimizer": "adamw"}, "data_fingerprint": "abc"}) is None
+    True
+  """
+  def check(meta: dict) -> str | None:
+    saved = with_defaults(meta.get("config", {}))
+    for field in STRUCTURAL_FIELDS:
+      if field in config and saved.get(field) != config[field]:
+        return f"has {field}={saved.get(field)!r} but this run has {field}={config[field]!r}"
+    if (data_fingerprint is not None and "data_fingerprint" in meta
+        and meta["data_fingerprint"] != data_fingerprint):
+      return (f"has data_fingerprint={meta['data_fingerprint']!r} but this run has "
+              f"data_fingerprint={data_fingerprint!r}")
+    return None
+
+  return check
 
 
 # The fields that set the model's shape on top of its preset (TrainConfig.model_config).

@@ -1,4 +1,4 @@
-"""The step a run runs: built once from its :class:`~experiments.config.TrainConfig`.
+"""The step a run runs: built once from its :class:`~experiments.training.config.TrainConfig`.
 
 A library module. :func:`build_step` is the one place that turns a run's
 configuration into its optimizer, its train and eval steps, its state's
@@ -27,7 +27,7 @@ from flax import nnx
 
 import models
 import skewadam_jax
-from experiments import optimizers
+from experiments.training import optimizers
 from models import layerwise as model_layerwise
 from skewadam_jax import layerwise as layerwise_lib
 
@@ -103,7 +103,7 @@ def build_step(config, graphdef, rest, params, axes, *, schedule=None) -> TrainS
   """The step ``config``'s run runs, for the split model ``(graphdef, params, rest)``.
 
   Args:
-    config: the run's :class:`~experiments.config.TrainConfig`.
+    config: the run's :class:`~experiments.training.config.TrainConfig`.
     graphdef, rest: the split :class:`models.Transformer`.
     params: its parameters, or their ``ShapeDtypeStruct`` s.
     axes: the parameters' declared logical axes by path.

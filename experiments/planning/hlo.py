@@ -191,6 +191,36 @@ class CollectiveReport:
     return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
+# Instructions that run no kernel: they name or regroup buffers.
+_NO_KERNEL = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+                        "after-all", "optimization-barrier"})
+
+
+def kernel_bytes(hlo_text: str) -> int:
+  """Bytes the kernels of a compiled program read and write, from its HLO text.
+
+  Every top-level instruction of the entry computation that runs (a fusion, a
+  copy, a custom call) counts its operands and its result in full; tuples,
+  bitcasts and parameters move nothing. That is how XLA's own cost analysis
+  counts ``bytes accessed``; this version also works for a program compiled
+  for a GPU target without a device, whose cost analysis is empty.
+
+  Example:
+    >>> kernel_bytes('''ENTRY %main (p: f32[4]) -> f32[4] {
+    ...   %p = f32[4]{0} parameter(0)
+    ...   ROOT %n = f32[4]{0} negate(f32[4]{0} %p)
+    ... }''')
+    32
+  """
+  computations, entry = parse_module(hlo_text)
+  sizes, total = {}, 0
+  for instruction in computations[entry]:
+    sizes[instruction.name] = array_bytes(instruction.shape)
+    if instruction.opcode not in _NO_KERNEL:
+      total += sizes[instruction.name] + sum(sizes.get(o, 0) for o in instruction.operands)
+  return total
+
+
 def collective_bytes(hlo_text: str, default_trip_count: int | None = None) -> CollectiveReport:
   """Bytes each collective kind handles per device per step (module docstring).
 

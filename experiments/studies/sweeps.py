@@ -18,10 +18,10 @@ import math
 import pathlib
 import shutil
 
-from experiments import config as config_lib
-from experiments import optimizers
-from experiments import training
-from experiments.config import TrainConfig
+from experiments.training import config as config_lib
+from experiments.training import optimizers
+from experiments.training import run as training
+from experiments.training.config import TrainConfig
 from skewadam_jax import transform as skewadam_transform
 
 # Short name → (tier, TierConfig field, TrainConfig field).
@@ -165,7 +165,7 @@ def run_or_reuse(base: TrainConfig, out: pathlib.Path, cache_dir, *,
       exactly this configuration in ``out`` instead of training it again.
     allow_divergence: a run stopped by a non-finite loss returns
       ``val_ppl = inf`` and ``diverged = True`` (and leaves ``diverged.json``)
-      instead of raising :class:`~experiments.training.TrainingError`.
+      instead of raising :class:`~experiments.training.run.TrainingError`.
     **overrides: ``TrainConfig`` fields of this run.
 
   Returns:
