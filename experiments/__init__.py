@@ -9,7 +9,8 @@ Four library packages and thin commands over them:
   (memory-mapped) corpora, a synthetic corpus;
 * :mod:`experiments.planning`: the memory planner, its GPU/TPU targets, costs
   read from compiled HLO, optimizer-state accounting;
-* :mod:`experiments.studies`: what sweeps of runs share.
+* :mod:`experiments.studies`: what sweeps of runs share, the optimizer
+  comparison and the schedule study.
 
 The commands are the top-level modules (``python -m experiments.NAME`` for
 ``train``, ``sample``, ``compare``, ``schedules``, ``memory``, ``gpu_check``,

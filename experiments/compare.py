@@ -53,463 +53,22 @@ the library, and keeps the rest (:func:`merge_rows`).
 :func:`choose_default` is the rule that picked the defaults.
 """
 
+
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
-import math
-import os
 import pathlib
-import platform
-import statistics
 import sys
 from typing import Sequence
 
-import jax.numpy as jnp
-
 import experiments
+from experiments.studies import comparison
+from experiments.studies.sweeps import base_config, parse_entries
 from experiments.training import optimizers
-from experiments.planning import accounting
-from experiments.training.config import TrainConfig
-from experiments.studies.sweeps import base_config, entry_key, parse_entries, resolve_config
-from experiments.studies.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
-from experiments.studies.sweeps import tuned_rates
-
-# --quick is a first look: AdamW, SkewAdam's default and Muon, 3 seeds, no sweep
-# (each trains at the rate the full protocol tuned, experiments/results/compare.json),
-# and a verdict that names the pairs it cannot separate (verdict_text).
-QUICK = dict(steps=200, sweep_steps=0, seeds=(0, 1, 2), eval_every=100, eval_batches=8,
-             max_extensions=0)
-QUICK_OPTIMIZERS = "adamw,skewadam,muon"
-TUNED_RATES = pathlib.Path(__file__).resolve().parent / "results" / "compare.json"
-NOISE_MULTIPLE = 2  # an ordering is reported only when it exceeds twice the seeds' spread
-FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16,
-            max_extensions=2)
-
-# The ablation: one tier setting at a time away from REFERENCE (1-bit expert
-# momentum, everything else as in Adam), plus the smallest configuration that
-# keeps momentum in all three tiers.
-REFERENCE = {"backbone_m": "fp32", "backbone_v": "exact", "expert_m": "sign", "router_v": "exact"}
-ABLATION = (
-    [REFERENCE]
-    + [{**REFERENCE, "expert_m": m} for m in ("fp32", "bf16", "int8", "none")]
-    + [{**REFERENCE, "backbone_v": "factored"}, {**REFERENCE, "router_v": "factored"},
-       {**REFERENCE, "backbone_m": "bf16", "backbone_v": "factored"}])
-
-STATE_BUDGET_6P78B = 1.29e9  # the published optimizer state for moe-6.78b
 
 
-def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> dict | None:
-  """The rule that picks SkewAdam's default from a comparison's rows.
-
-  A configuration *matches* AdamW when its mean validation perplexity is no
-  worse than AdamW's by more than the larger of the two seed spreads (std).
-  Among the configurations whose ``moe-6.78b`` state is at most ``budget``,
-  the best perplexity, if any of them matches AdamW; otherwise the smallest
-  state among those that match; ``None`` if none does (or there is no AdamW row).
-  """
-  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
-  if adamw is None:
-    return None
-  matching = [r for r in rows if r["optimizer"] == "skewadam" and r["val_ppl_mean"]
-              <= adamw["val_ppl_mean"] + max(r["val_ppl_std"], adamw["val_ppl_std"])]
-  within = [r for r in matching if r["opt_state_bytes_6p78b"] <= budget]
-  if within:
-    return min(within, key=lambda r: r["val_ppl_mean"])
-  return min(matching, key=lambda r: r["opt_state_bytes_6p78b"], default=None)
-
-
-def lr_grid(optimizer: str, factors: Sequence[float], centre: float | None = None) -> list[float]:
-  """The sweep's rates: ``factors`` times ``centre`` (default: the optimizer's default rate)."""
-  centre = optimizers.DEFAULT_LR[optimizer] if centre is None else centre
-  return [centre * f for f in factors]
-
-
-def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
-            out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
-            seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
-            max_extensions: int = 2, cache_dir=None, log=print,
-            keep_checkpoints: bool = False, progress: bool = False,
-            reuse_runs: bool = False, fixed_lrs: Sequence[dict] | None = None,
-            sweep_around: Sequence[dict] | None = None) -> list[dict]:
-  """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
-
-  SkewAdam configurations are resolved against the defaults and run once
-  each, however many entries name them. Each run keeps its ``metrics.jsonl``
-  and ``summary.json``; its checkpoints are deleted unless
-  ``keep_checkpoints``. ``progress`` shows one bar over all runs (its total is
-  the most runs the protocol can take, lowered as grids end early). With
-  ``reuse_runs`` a run whose folder holds a finished run of the same
-  configuration is read instead of trained again, so an interrupted
-  comparison continues where it stopped. With ``fixed_lrs`` (rows of a saved
-  comparison) there is no sweep: each entry trains at the rate of its row
-  there (a ``ValueError`` names an entry without one). With ``sweep_around``
-  (rows of a saved comparison) the grid is ``lr_factors`` times each entry's
-  rate there instead of times the optimizer's default rate. When the sweep
-  trains as long as the final runs (``sweep_steps == steps``), the best rate's
-  sweep run is the first seed's final run: it is not trained twice.
-  """
-  out_dir = pathlib.Path(out_dir)
-  rows, seen = [], []
-  unique = {entry_key(o, resolve_entry(o, c)) for o, c in entries}
-  if fixed_lrs is not None:
-    lr_factors, max_extensions = (), 0
-    fixed = tuned_rates(entries, fixed_lrs)
-  centres = tuned_rates(entries, sweep_around) if sweep_around is not None else None
-  extensions = max_extensions if len(lr_factors) > 1 else 0
-  per_entry = len(lr_factors) + extensions + len(seeds)
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  bar = tqdm(total=per_entry * len(unique), desc="compare", unit="run", disable=not progress,
-             dynamic_ncols=True, file=sys.stderr)
-  run_one = functools.partial(run_or_reuse, keep_checkpoints=keep_checkpoints, reuse=reuse_runs)
-  for optimizer, config in entries:
-    config = resolve_entry(optimizer, config)
-    if (optimizer, config) in seen:
-      continue
-    seen.append((optimizer, config))
-    overrides = train_overrides(config) if config else {}
-    name = run_name(optimizer, config)
-    sweep, sweep_runs = [], {}
-
-    def try_lr(lr):
-      result = sweep_runs[lr] = run_one(base, out_dir / f"{name}-sweep-lr{lr:.2e}", cache_dir,
-                    optimizer=optimizer, lr=lr, steps=sweep_steps, seed=seeds[0],
-                    warmup_steps=max(1, sweep_steps // 10), **overrides)
-      sweep.append({"lr": lr, "val_ppl": result["val_ppl"]})
-      sweep.sort(key=lambda r: r["lr"])
-      log(f"{name}: sweep lr {lr:.2e} -> val ppl {result['val_ppl']:.2f}")
-      bar.update(1)
-
-    score = lambda r: r["val_ppl"] if math.isfinite(r["val_ppl"]) else math.inf
-    centre = (centres[entry_key(optimizer, config)] if centres is not None
-              else optimizers.DEFAULT_LR[optimizer])
-    for lr in lr_grid(optimizer, lr_factors, centre):
-      try_lr(lr)
-    # A best rate at the edge of the grid is not a tuned rate: extend the grid
-    # (by the grid's own step) in that direction, a bounded number of times.
-    step = (max(lr_factors) / min(lr_factors)) ** (1 / max(1, len(lr_factors) - 1)) \
-        if lr_factors else 1.0
-    for _ in range(extensions):
-      best = min(sweep, key=score)
-      if best is sweep[-1]:
-        try_lr(best["lr"] * step)
-      elif best is sweep[0]:
-        try_lr(best["lr"] / step)
-      else:
-        break
-    bar.total -= len(lr_factors) + extensions - len(sweep)  # extensions not needed
-    bar.refresh()
-    best_lr = (fixed[entry_key(optimizer, config)] if fixed_lrs is not None
-               else min(sweep, key=score)["lr"])
-    same_budget = fixed_lrs is None and sweep_steps == steps
-    finals = [sweep_runs[best_lr] if same_budget and seed == seeds[0] else
-              run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
-                      optimizer=optimizer, lr=best_lr, steps=steps, seed=seed,
-                      warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
-    bar.update(len(finals))
-    ppls = [f["val_ppl"] for f in finals]
-    tiers = dataclasses.replace(base, **overrides).skewadam_tiers()  # pylint: disable=no-member
-    rows.append({
-        "optimizer": optimizer, "config": config or "default", "lr": best_lr,
-        "seeds": list(seeds), "val_ppl_by_seed": ppls,
-        "val_ppl_mean": statistics.mean(ppls),
-        "val_ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
-        "opt_state_bytes_small": finals[0]["opt_state_bytes"],
-        "opt_state_bytes_6p78b": accounting.state_bytes(
-            "moe-6.78b", optimizer, skewadam_tiers=tiers, param_dtype=jnp.bfloat16)["total"],
-        "tokens_per_s": statistics.median(f["tokens_per_s"] or 0.0 for f in finals),
-        "median_step_s": statistics.median(f["median_step_s"] or 0.0 for f in finals),
-        "curve_seed0": finals[0]["curve"], "sweep": sweep,
-    })
-    log(f"{name}: lr {best_lr:.2e}, val ppl {rows[-1]['val_ppl_mean']:.2f} "
-        f"± {rows[-1]['val_ppl_std']:.2f}")
-  bar.close()
-  _add_step_time_ratios(rows)
-  return rows
-
-
-def _add_step_time_ratios(rows: Sequence[dict]) -> None:
-  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
-  for r in rows:
-    # Medians of per-step times: robust to another process borrowing the cores.
-    r["step_time_ratio_to_adamw"] = (
-        r["median_step_s"] / adamw["median_step_s"]
-        if adamw and adamw["median_step_s"] and r["median_step_s"] else None)
-
-
-def merge_rows(kept: Sequence[dict], rerun: Sequence[dict]) -> list[dict]:
-  """``kept`` with each row that ``rerun`` has again (same optimizer and config) replaced.
-
-  Rows only in ``rerun`` follow; step-time ratios are recomputed against the
-  merged AdamW row. For re-running some rows (say SkewAdam's, after a change
-  to the library) and keeping the others.
-  """
-  fresh = {row_key(r): r for r in rerun}
-  rows = [fresh.pop(row_key(r), r) for r in kept]
-  rows += [r for r in rerun if row_key(r) in fresh]
-  _add_step_time_ratios(rows)
-  return rows
-
-
-def is_default(row: dict) -> bool:
-  """Whether a row is its optimizer's default configuration in the library as it is now."""
-  return not isinstance(row["config"], dict) or row["config"] == resolve_config({})
-
-
-def plot_name(row: dict) -> str:
-  """A row's name for plots: the optimizer, and SkewAdam's configuration in full."""
-  if row["optimizer"] != "skewadam":
-    return row["optimizer"]
-  config = ", ".join(f"{k}={v}" for k, v in row["config"].items())
-  return f"skewadam {config}" + (" (default)" if is_default(row) else "")
-
-
-def _config_cell(row: dict, mark_default: bool = True) -> str:
-  if not isinstance(row["config"], dict):
-    return row["config"]
-  cell = ", ".join(f"{k}={v}" for k, v in row["config"].items())
-  return f"**{cell}** (default)" if mark_default and is_default(row) else cell
-
-
-def markdown_table(rows: Sequence[dict], *, step_time: bool = True) -> str:
-  """The comparison's rows as a Markdown table; the library's default marked in bold.
-
-  ``step_time=False`` leaves out the step-time column (a timing: the rest of
-  the table is a pure function of the code and the machine's CPU type).
-  """
-  head = ("| optimizer | config | lr | val ppl (mean ± std) | seeds | state, this preset "
-          "| state, moe-6.78b |")
-  lines = [head + (" step time ÷ AdamW |" if step_time else ""),
-           "|---" * (7 + step_time) + "|"]
-  for r in rows:
-    seeds = ", ".join(f"{p:.2f}" for p in r.get("val_ppl_by_seed", ())) or "–"
-    line = (f"| {r['optimizer']} | {_config_cell(r)} | {r['lr']:.2e} | "
-            f"{r['val_ppl_mean']:.2f} ± {r['val_ppl_std']:.2f} | {seeds} "
-            f"| {r['opt_state_bytes_small'] / 1e6:.2f} MB "
-            f"| {r['opt_state_bytes_6p78b'] / 1e9:.3f} GB |")
-    if step_time:
-      ratio = f"{r['step_time_ratio_to_adamw']:.2f}" if r["step_time_ratio_to_adamw"] else "–"
-      line += f" {ratio} |"
-    lines.append(line)
-  return "\n".join(lines)
-
-
-def machine_text() -> str:
-  """The CPU model and core count (figures of a comparison vary across CPU types)."""
-  model = platform.processor() or platform.machine()
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        model = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return f"{model}, {os.cpu_count()} cores"
-
-
-def ordering(a: dict, b: dict, multiple: float = NOISE_MULTIPLE) -> tuple[str, float]:
-  """``("lower" | "higher" | "within noise", margin)`` of ``a``'s mean perplexity against ``b``'s.
-
-  ``margin`` is ``|difference| / max(spreads)``: an ordering is reported only
-  above ``multiple``; below it the two are a tie at this many seeds.
-
-  Example:
-    >>> ordering({"val_ppl_mean": 100.0, "val_ppl_std": 2.0},
-    ...          {"val_ppl_mean": 110.0, "val_ppl_std": 1.0})
-    ('lower', 5.0)
-    >>> ordering({"val_ppl_mean": 100.0, "val_ppl_std": 2.0},
-    ...          {"val_ppl_mean": 103.0, "val_ppl_std": 1.0})
-    ('within noise', 1.5)
-  """
-  diff = a["val_ppl_mean"] - b["val_ppl_mean"]
-  spread = max(a["val_ppl_std"], b["val_ppl_std"])
-  margin = abs(diff) / spread if spread > 0 else math.inf
-  if margin <= multiple:
-    return "within noise", margin
-  return ("lower" if diff < 0 else "higher"), margin
-
-
-def verdict_text(rows: Sequence[dict]) -> str:
-  """SkewAdam's default against AdamW and against Muon: an ordering, or "within noise".
-
-  Each pair is ordered only when its difference exceeds :data:`NOISE_MULTIPLE`
-  times the larger seed spread (std), so a verdict does not flip with the CPU
-  type, whose code changes the seeds' results.
-  """
-  default = next((r for r in rows if r["optimizer"] == "skewadam" and is_default(r)), None)
-  if default is None:
-    return "No row of SkewAdam's default: no verdict."
-  parts = []
-  for other in ("adamw", "muon"):
-    row = next((r for r in rows if r["optimizer"] == other), None)
-    if row is None:
-      continue
-    order, margin = ordering(default, row)
-    diff = default["val_ppl_mean"] - row["val_ppl_mean"]
-    if order == "within noise":
-      parts.append(f"against {other}: within noise (difference {diff:+.2f}, "
-                   f"{margin:.1f}x the larger seed spread, at most {NOISE_MULTIPLE}x)")
-    else:
-      parts.append(f"against {other}: {order} perplexity by {abs(diff):.2f} "
-                   f"({margin:.1f}x the larger seed spread)")
-  seeds = len(default.get("val_ppl_by_seed", ()))
-  return f"Verdict for SkewAdam's default ({seeds} seeds): " + "; ".join(parts) + "."
-
-
-def choice_text(rows: Sequence[dict]) -> str:
-  """What :func:`choose_default` picks from ``rows``, and why, in one paragraph."""
-  adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
-  choice = choose_default(rows)
-  if adamw is None:
-    return "No AdamW row: the default rule needs one."
-  if choice is None:
-    return (f"No SkewAdam configuration matches AdamW's validation perplexity "
-            f"({adamw['val_ppl_mean']:.2f} ± {adamw['val_ppl_std']:.2f}).")
-  within = choice["opt_state_bytes_6p78b"] <= STATE_BUDGET_6P78B
-  tie = ("; it matches AdamW only by the spread rule (a tie, not a win)"
-         if ordering(choice, adamw)[0] != "lower" else "")
-  return (f"Chosen by `choose_default`: {_config_cell(choice, mark_default=False)}: "
-          f"val ppl {choice['val_ppl_mean']:.2f} ± {choice['val_ppl_std']:.2f} against AdamW's "
-          f"{adamw['val_ppl_mean']:.2f} ± {adamw['val_ppl_std']:.2f} "
-          f"(difference {choice['val_ppl_mean'] - adamw['val_ppl_mean']:+.2f}), "
-          f"state at moe-6.78b {choice['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
-          f"{adamw['opt_state_bytes_6p78b'] / choice['opt_state_bytes_6p78b']:.1f}x less than "
-          f"AdamW's {adamw['opt_state_bytes_6p78b'] / 1e9:.1f} GB" + tie
-          + (f"; the best perplexity within {STATE_BUDGET_6P78B / 1e9:.2f} GB."
-             if within else f"; nothing within {STATE_BUDGET_6P78B / 1e9:.2f} GB matches "
-             "AdamW, so the smallest state that does."))
-
-
-def _pyplot():
-  """matplotlib's pyplot on the file-only backend (no display here)."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  return plt
-
-
-def _curve(row: dict) -> tuple[tuple, tuple]:
-  """A row's seed-0 validation curve as (tokens, perplexities)."""
-  return tuple(zip(*row["curve_seed0"])) if row.get("curve_seed0") else ((), ())
-
-
-def horizon_table(shorter: Sequence[dict], longer: Sequence[dict]) -> str:
-  """The rows both comparisons share: perplexity and rank at each horizon, and the ratio.
-
-  The ratio ``longer / shorter`` of a row's mean perplexities says how much
-  it gained from the extra tokens; ranks are among the shared rows.
-  """
-  short = {row_key(r): r for r in shorter}
-  shared = [(short[row_key(r)], r) for r in longer if row_key(r) in short]
-  if not shared:
-    return "No row is in both comparisons."
-  def ranks(rows):
-    order = sorted(rows, key=lambda r: r["val_ppl_mean"])
-    return {row_key(r): order.index(r) + 1 for r in rows}
-  rank_short, rank_long = ranks([s for s, _ in shared]), ranks([l for _, l in shared])
-  lines = [f"| optimizer | config | val ppl, {_tokens(shared[0][0])} tokens (rank) "
-           f"| val ppl, {_tokens(shared[0][1])} tokens (rank) | longer ÷ shorter |",
-           "|---|---|---|---|---|"]
-  for s, l in shared:
-    lines.append(f"| {l['optimizer']} | {_config_cell(l)} "
-                 f"| {s['val_ppl_mean']:.2f} ± {s['val_ppl_std']:.2f} ({rank_short[row_key(s)]}) "
-                 f"| {l['val_ppl_mean']:.2f} ± {l['val_ppl_std']:.2f} ({rank_long[row_key(l)]}) "
-                 f"| {l['val_ppl_mean'] / s['val_ppl_mean']:.3f} |")
-  return "\n".join(lines)
-
-
-def _tokens(row: dict) -> str:
-  tokens, _ = _curve(row)
-  return f"{tokens[-1] / 1e6:.2f}M" if tokens else "?"
-
-
-def plot_horizons(shorter: Sequence[dict], longer: Sequence[dict],
-                  path: pathlib.Path) -> pathlib.Path:
-  """Validation perplexity against tokens (seed 0) for both horizons: the shorter dashed."""
-  plt = _pyplot()
-  short = {row_key(r): r for r in shorter}
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for r in longer:
-    line, = ax.plot(*_curve(r), label=plot_name(r))
-    if row_key(r) in short:
-      ax.plot(*_curve(short[row_key(r)]), "--", color=line.get_color())
-  ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
-         title="Validation perplexity (seed 0): longer horizon solid, shorter dashed")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
-def plot(rows: Sequence[dict], out_dir: pathlib.Path, prefix: str = "") -> list[pathlib.Path]:
-  """Writes val_ppl.png, state_bytes.png and (with a SkewAdam row) frontier.png,
-  their names prefixed by ``prefix``."""
-  plt = _pyplot()
-  names = [plot_name(r) for r in rows]
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for name, r in zip(names, rows):
-    ax.plot(*_curve(r), marker="o", markersize=3, label=name)
-  ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
-         title="Validation perplexity (seed 0)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  paths = [out_dir / f"{prefix}val_ppl.png"]
-  fig.savefig(paths[-1], dpi=120)
-  fig, ax = plt.subplots(figsize=(11, 5))
-  ax.barh(names, [r["opt_state_bytes_6p78b"] / 1e9 for r in rows])
-  ax.set(xlabel="optimizer state at moe-6.78b (GB)", xscale="log",
-         title="Optimizer state for the 6.78B MoE")
-  fig.tight_layout()
-  paths.append(out_dir / f"{prefix}state_bytes.png")
-  fig.savefig(paths[-1], dpi=120)
-  if any(r["optimizer"] == "skewadam" for r in rows):
-    paths.append(_plot_frontier(plt, rows, names, out_dir / f"{prefix}frontier.png"))
-  plt.close("all")
-  return paths
-
-
-def _plot_frontier(plt, rows, names, path):
-  """Perplexity against state at moe-6.78b; rows far above SkewAdam's are listed, not drawn."""
-  skew = [r for r in rows if r["optimizer"] == "skewadam"]
-  top = max(r["val_ppl_mean"] + r["val_ppl_std"] for r in skew)
-  bottom = min(r["val_ppl_mean"] - r["val_ppl_std"] for r in rows)
-  limit = top + 0.25 * (top - bottom)
-  fig, ax = plt.subplots(figsize=(13, 5.5))
-  markers = "osD^v<>pPX*h"
-  shown, hidden = [], []
-  for k, (name, r) in enumerate(zip(names, rows)):
-    if r["val_ppl_mean"] > limit:
-      hidden.append(f"{name}: {r['val_ppl_mean']:.0f}")
-      continue
-    shown.append(r)
-    ax.errorbar(r["opt_state_bytes_6p78b"] / 1e9, r["val_ppl_mean"], yerr=r["val_ppl_std"],
-                fmt=markers[k % len(markers)], color=plt.cm.tab20(k % 20), capsize=3, label=name)
-  # The frontier: configurations that no other beats on both state and perplexity.
-  frontier, best = [], math.inf
-  for r in sorted(shown, key=lambda r: (r["opt_state_bytes_6p78b"], r["val_ppl_mean"])):
-    if r["val_ppl_mean"] < best:
-      frontier.append(r)
-      best = r["val_ppl_mean"]
-  ax.step([r["opt_state_bytes_6p78b"] / 1e9 for r in frontier],
-          [r["val_ppl_mean"] for r in frontier], where="post", color="gray", alpha=0.6,
-          label="frontier")
-  ax.axvline(STATE_BUDGET_6P78B / 1e9, color="gray", linestyle="--",
-             label=f"{STATE_BUDGET_6P78B / 1e9:.2f} GB (published)")
-  ax.set(xlabel="optimizer state at moe-6.78b (GB, log)", xscale="log",
-         ylabel="validation perplexity (mean ± std over seeds)",
-         xticks=[t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
-                 if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]],
-         title="Quality against optimizer memory"
-         + (f"\noff the chart: {'; '.join(hidden)}" if hidden else ""))
-  ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-  ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
-  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -519,15 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--preset", default="small")
   parser.add_argument("--optimizers", default=None,
                       help="comma-separated, from " + ", ".join(optimizers.OPTIMIZERS)
-                      + f" (default: all; with --quick {QUICK_OPTIMIZERS}; empty: only the "
+                      + f" (default: all; with --quick {comparison.QUICK_OPTIMIZERS}; empty: only the "
                       "--skewadam-configs rows)")
   parser.add_argument("--skewadam-configs", default="",
                       help="extra SkewAdam rows, ';'-separated, e.g. "
                       "'expert_m=int8;backbone_m=bf16,backbone_v=factored'")
   parser.add_argument("--ablation", action="store_true",
-                      help="add SkewAdam's tier ablation (compare.ABLATION)")
+                      help="add SkewAdam's tier ablation (comparison.ABLATION)")
   parser.add_argument("--quick", action="store_true",
-                      help=f"budgets {QUICK}, {QUICK_OPTIMIZERS} at the rates of "
+                      help=f"budgets {comparison.QUICK}, {comparison.QUICK_OPTIMIZERS} at the rates of "
                       "experiments/results/compare.json (no sweep unless --sweep-steps)")
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--sweep-steps", type=int, default=None)
@@ -575,10 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.render:
     rows = json.loads(pathlib.Path(args.render).read_text())
     if kept is not None:
-      rows = merge_rows(kept, rows)
+      rows = comparison.merge_rows(kept, rows)
     return write(rows, pathlib.Path(args.out), write_json=kept is not None,
                  step_time=not args.quick)
-  budget = dict(QUICK if args.quick else FULL)
+  budget = dict(comparison.QUICK if args.quick else comparison.FULL)
   if args.steps:
     budget["steps"] = args.steps
   if args.sweep_steps:
@@ -587,9 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget["seeds"] = tuple(int(s) for s in args.seeds.split(","))
   names = args.optimizers
   if names is None:
-    names = QUICK_OPTIMIZERS if args.quick else ",".join(optimizers.OPTIMIZERS)
+    names = comparison.QUICK_OPTIMIZERS if args.quick else ",".join(optimizers.OPTIMIZERS)
   # --quick trains at the tuned rates unless a sweep is asked for (--sweep-steps).
-  lr_from = args.lr_from or (TUNED_RATES if args.quick and not args.sweep_steps else None)
+  lr_from = args.lr_from or (
+      comparison.TUNED_RATES if args.quick and not args.sweep_steps else None)
   saved_rates = None
   if lr_from:  # the first file that has a row wins
     saved_rates = [row for path in reversed(str(lr_from).split(","))
@@ -600,11 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     entries = parse_entries(names, args.skewadam_configs)
     if args.ablation:
-      entries += [("skewadam", c) for c in ABLATION]
+      entries += [("skewadam", c) for c in comparison.ABLATION]
     base = base_config(preset=args.preset, batch_size=args.batch_size, data=args.data,
                        eval_every=budget["eval_every"], eval_batches=budget["eval_batches"])
     out = pathlib.Path(args.out)
-    rows = compare(entries, base=base, out_dir=pathlib.Path(args.runs) if args.runs else out / "runs",
+    runs = pathlib.Path(args.runs) if args.runs else out / "runs"
+    rows = comparison.compare(entries, base=base, out_dir=runs,
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
                    lr_factors=factors, max_extensions=budget["max_extensions"],
                    log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -615,10 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
-  machine = machine_text()
+  machine = comparison.machine_text()
   for row in rows:
     row["machine"] = machine
-  return write(rows if kept is None else merge_rows(kept, rows), out, step_time=not args.quick)
+  rows = rows if kept is None else comparison.merge_rows(kept, rows)
+  return write(rows, out, step_time=not args.quick)
 
 
 def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
@@ -630,13 +192,13 @@ def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
     (out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
   machines = sorted({r["machine"] for r in rows if r.get("machine")})
   table = ((f"Machine: {'; '.join(machines)}\n\n" if machines else "")
-           + markdown_table(rows, step_time=step_time) + "\n\n" + verdict_text(rows)
-           + "\n\n" + choice_text(rows))
+           + comparison.markdown_table(rows, step_time=step_time) + "\n\n" + comparison.verdict_text(rows)
+           + "\n\n" + comparison.choice_text(rows))
   if shorter is not None:
-    table += "\n\nAgainst the shorter horizon:\n\n" + horizon_table(shorter, rows)
-    plot_horizons(shorter, rows, out / f"{prefix}horizons.png")
+    table += "\n\nAgainst the shorter horizon:\n\n" + comparison.horizon_table(shorter, rows)
+    comparison.plot_horizons(shorter, rows, out / f"{prefix}horizons.png")
   (out / f"{name}.md").write_text(table + "\n")
-  plot(rows, out, prefix)
+  comparison.plot(rows, out, prefix)
   print(table)
   return 0
 

@@ -8,22 +8,23 @@ import statistics
 import pytest
 
 from experiments import compare
+from experiments.studies import comparison
 from experiments.studies import sweeps
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
   # The SkewAdam configuration is the default, spelt out: it must run once.
   argv = ["--preset", "tiny", "--optimizers", "adamw,skewadam", "--skewadam-configs",
-          ",".join(f"{k}={v}" for k, v in compare.resolve_config({}).items()),
+          ",".join(f"{k}={v}" for k, v in comparison.resolve_config({}).items()),
           "--steps", "6", "--sweep-steps", "3", "--seeds", "0,1",
           "--batch-size", "4", "--data", corpus, "--out", str(tmp_path / "cmp"), "--quick"]
   monkeypatch.setattr(sweeps.training, "train", _with_cache(sweeps.training.train, cache_dir))
   assert compare.main(argv) == 0
   rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-  assert [(r["optimizer"], r["config"], compare.is_default(r)) for r in rows] == [
-      ("adamw", "default", True), ("skewadam", compare.resolve_config({}), True)]
-  assert not compare.is_default({"optimizer": "skewadam",
-                                 "config": compare.resolve_config({"expert_m": "int8"})})
+  assert [(r["optimizer"], r["config"], comparison.is_default(r)) for r in rows] == [
+      ("adamw", "default", True), ("skewadam", comparison.resolve_config({}), True)]
+  assert not comparison.is_default({"optimizer": "skewadam",
+                                 "config": comparison.resolve_config({"expert_m": "int8"})})
   for r in rows:
     for key in ("optimizer", "config", "lr", "seeds", "val_ppl_mean", "val_ppl_std",
                 "opt_state_bytes_small", "opt_state_bytes_6p78b", "step_time_ratio_to_adamw"):
@@ -82,17 +83,17 @@ def test_sweep_extends_past_an_edge_optimum(monkeypatch, tmp_path):
   # the grid {1/3, 1, 3} must grow upwards until the optimum is inside it.
   def fake_run(base, out, cache_dir, *, lr, steps, seed, **overrides):
     del base, out, cache_dir, steps, seed, overrides
-    x = lr / compare.optimizers.DEFAULT_LR["adamw"]
+    x = lr / comparison.optimizers.DEFAULT_LR["adamw"]
     return {"val_ppl": 100 + (x - 9) ** 2, "tokens_per_s": 1.0, "median_step_s": 1.0,
             "opt_state_bytes": 1,
             "curve": []}
-  monkeypatch.setattr(compare, "run_or_reuse", fake_run)
-  monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
-  [row] = compare.compare([("adamw", {})], base=compare.TrainConfig(),
+  monkeypatch.setattr(comparison, "run_or_reuse", fake_run)
+  monkeypatch.setattr(comparison.accounting, "state_bytes", lambda *a, **k: {"total": 1})
+  [row] = comparison.compare([("adamw", {})], base=comparison.TrainConfig(),
                           out_dir=tmp_path, steps=2, sweep_steps=1, seeds=(0,), log=lambda m: None)
-  factors = [round(s["lr"] / compare.optimizers.DEFAULT_LR["adamw"], 6) for s in row["sweep"]]
+  factors = [round(s["lr"] / comparison.optimizers.DEFAULT_LR["adamw"], 6) for s in row["sweep"]]
   assert factors == [round(1 / 3, 6), 1, 3, 9, 27]
-  assert row["lr"] == pytest.approx(9 * compare.optimizers.DEFAULT_LR["adamw"])
+  assert row["lr"] == pytest.approx(9 * comparison.optimizers.DEFAULT_LR["adamw"])
 
 
 def _row(optimizer, ppl, std, state, **config):
@@ -107,13 +108,13 @@ def test_choose_default_follows_the_stated_rule():
   small_better = _row("skewadam", 99.0, 0.5, 1.28e9, name="small-better")
   tiny_bad = _row("skewadam", 130.0, 1.0, 0.5e9, name="tiny-bad")
   # Within the budget, the best perplexity among those that match AdamW.
-  assert compare.choose_default([adamw, big_good, small_ok, small_better, tiny_bad]) is small_better
-  assert compare.choose_default([adamw, big_good, small_ok, tiny_bad]) is small_ok
+  assert comparison.choose_default([adamw, big_good, small_ok, small_better, tiny_bad]) is small_better
+  assert comparison.choose_default([adamw, big_good, small_ok, tiny_bad]) is small_ok
   # Nothing within the budget matches: the smallest state that does.
   mid = _row("skewadam", 99.5, 1.0, 1.6e9, name="mid")
-  assert compare.choose_default([adamw, big_good, mid, tiny_bad]) is mid
-  assert compare.choose_default([adamw, tiny_bad]) is None
-  assert compare.choose_default([big_good]) is None
+  assert comparison.choose_default([adamw, big_good, mid, tiny_bad]) is mid
+  assert comparison.choose_default([adamw, tiny_bad]) is None
+  assert comparison.choose_default([big_good]) is None
 
 
 def _seeded(optimizer, seeds, **config):
@@ -122,29 +123,29 @@ def _seeded(optimizer, seeds, **config):
 
 
 def test_the_verdict_orders_a_pair_only_outside_twice_the_seed_spread():
-  default = _seeded("skewadam", [100.0, 102.0, 104.0], **compare.resolve_config({}))
+  default = _seeded("skewadam", [100.0, 102.0, 104.0], **comparison.resolve_config({}))
   adamw = _seeded("adamw", [101.0, 104.0, 107.0])     # 4 apart, spread 3: a tie
   muon = _seeded("muon", [80.0, 81.0, 82.0])         # 21 apart, spread 2
-  text = compare.verdict_text([adamw, default, muon])
+  text = comparison.verdict_text([adamw, default, muon])
   assert text.startswith("Verdict for SkewAdam's default (3 seeds): ")
   assert "against adamw: within noise (difference -2.00, 0.7x the larger seed spread" in text
   assert "against muon: higher perplexity by 21.00 (10.5x the larger seed spread)" in text
-  assert compare.ordering(muon, default) == ("lower", 10.5)
+  assert comparison.ordering(muon, default) == ("lower", 10.5)
   # choose_default's choice matches AdamW only by the spread rule here: it says so.
   adamw_row = {**adamw, "opt_state_bytes_6p78b": 54e9}
-  assert "matches AdamW only by the spread rule (a tie, not a win)" in compare.choice_text(
+  assert "matches AdamW only by the spread rule (a tie, not a win)" in comparison.choice_text(
       [adamw_row, {**default, "opt_state_bytes_6p78b": 1.2e9}])
-  clear = _seeded("skewadam", [90.0, 90.5, 91.0], **compare.resolve_config({}))
-  assert "tie" not in compare.choice_text([adamw_row, {**clear, "opt_state_bytes_6p78b": 1.2e9}])
+  clear = _seeded("skewadam", [90.0, 90.5, 91.0], **comparison.resolve_config({}))
+  assert "tie" not in comparison.choice_text([adamw_row, {**clear, "opt_state_bytes_6p78b": 1.2e9}])
 
 
 def test_the_quick_table_has_no_timing_and_names_the_machine():
   row = {**_seeded("adamw", [101.0, 104.0]), "lr": 9e-3, "opt_state_bytes_small": 3e7,
          "step_time_ratio_to_adamw": 1.0}
-  assert "step time" not in compare.markdown_table([row], step_time=False)
-  assert "| 101.00, 104.00 |" in compare.markdown_table([row], step_time=False)
-  assert "step time" in compare.markdown_table([row])
-  machine = compare.machine_text()
+  assert "step time" not in comparison.markdown_table([row], step_time=False)
+  assert "| 101.00, 104.00 |" in comparison.markdown_table([row], step_time=False)
+  assert "step time" in comparison.markdown_table([row])
+  machine = comparison.machine_text()
   assert machine.endswith(f", {os.cpu_count()} cores") and len(machine) > len(" cores") + 3
 
 
@@ -154,9 +155,9 @@ RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results" / "co
 @pytest.mark.skipif(not RESULTS.exists(), reason="no committed comparison yet")
 def test_library_defaults_are_the_committed_comparisons_choice():
   rows = json.loads(RESULTS.read_text())
-  choice = compare.choose_default(rows)
+  choice = comparison.choose_default(rows)
   assert choice is not None
-  assert choice["config"] == compare.resolve_config({})
+  assert choice["config"] == comparison.resolve_config({})
 
 
 def test_merge_rows_replaces_rerun_rows_and_recomputes_step_time_ratios(tmp_path):
@@ -165,7 +166,7 @@ def test_merge_rows_replaces_rerun_rows_and_recomputes_step_time_ratios(tmp_path
           dict(_row("lion", 120.0, 1.0, 27e9), median_step_s=0.1)]
   rerun = [dict(_row("skewadam", 98.0, 1.0, 1.3e9, name="a"), median_step_s=0.25),
            dict(_row("skewadam", 97.0, 1.0, 1.2e9, name="b"), median_step_s=0.4)]
-  rows = compare.merge_rows(kept, rerun)
+  rows = comparison.merge_rows(kept, rerun)
   assert [(r["optimizer"], r["val_ppl_mean"]) for r in rows] == [
       ("adamw", 100.0), ("skewadam", 98.0), ("lion", 120.0), ("skewadam", 97.0)]
   assert [r["step_time_ratio_to_adamw"] for r in rows] == pytest.approx([1.0, 1.25, 0.5, 2.0])
@@ -191,39 +192,39 @@ def test_fixed_learning_rates_skip_the_sweep(monkeypatch, tmp_path):
     trained.append((lr, steps, seed))
     return {"val_ppl": 50.0 + seed, "tokens_per_s": 1.0, "median_step_s": 1.0,
             "opt_state_bytes": 1, "curve": []}
-  monkeypatch.setattr(compare, "run_or_reuse", fake_run)
-  monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
+  monkeypatch.setattr(comparison, "run_or_reuse", fake_run)
+  monkeypatch.setattr(comparison.accounting, "state_bytes", lambda *a, **k: {"total": 1})
   orthogonal = {"expert_dir": "orthogonal"}
   saved = [{"optimizer": "muon", "config": "default", "lr": 0.03},
-           {"optimizer": "skewadam", "config": compare.resolve_config(orthogonal), "lr": 0.01}]
-  rows = compare.compare([("muon", None), ("skewadam", orthogonal)],
-                         base=compare.TrainConfig(), out_dir=tmp_path, steps=8, sweep_steps=2,
+           {"optimizer": "skewadam", "config": comparison.resolve_config(orthogonal), "lr": 0.01}]
+  rows = comparison.compare([("muon", None), ("skewadam", orthogonal)],
+                         base=comparison.TrainConfig(), out_dir=tmp_path, steps=8, sweep_steps=2,
                          seeds=(0, 1, 2), log=lambda m: None, fixed_lrs=saved)
   assert trained == [(0.03, 8, s) for s in (0, 1, 2)] + [(0.01, 8, s) for s in (0, 1, 2)]
   assert [r["lr"] for r in rows] == [0.03, 0.01] and all(r["sweep"] == [] for r in rows)
   with pytest.raises(ValueError, match="no learning rate for adamw"):
-    compare.compare([("adamw", None)], base=compare.TrainConfig(), out_dir=tmp_path, steps=8,
+    comparison.compare([("adamw", None)], base=comparison.TrainConfig(), out_dir=tmp_path, steps=8,
                     sweep_steps=2, seeds=(0,), log=lambda m: None, fixed_lrs=saved)
 
 
 def test_update_directions_appear_in_a_row_only_when_not_adam():
   # Rows saved before the direction keys existed keep their identity.
-  assert "expert_dir" not in compare.resolve_config({})
-  assert compare.resolve_config({"expert_dir": "adam"}) == compare.resolve_config({})
-  ortho = compare.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal"})
+  assert "expert_dir" not in comparison.resolve_config({})
+  assert comparison.resolve_config({"expert_dir": "adam"}) == comparison.resolve_config({})
+  ortho = comparison.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal"})
   assert ortho["backbone_dir"] == ortho["expert_dir"] == "orthogonal"
-  tiers = compare.TrainConfig(**compare.train_overrides(ortho)).skewadam_tiers()
+  tiers = comparison.TrainConfig(**comparison.train_overrides(ortho)).skewadam_tiers()
   assert tiers["expert"]["direction"] == tiers["backbone"]["direction"] == "orthogonal"
 
 
 def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
-  config = compare.TrainConfig(preset="tiny", steps=3)
-  saved = json.loads(json.dumps(compare.dataclasses.asdict(config)))
+  config = comparison.TrainConfig(preset="tiny", steps=3)
+  saved = json.loads(json.dumps(comparison.dataclasses.asdict(config)))
   del saved["schedule"], saved["decay_fraction"]  # fields added later, at their defaults
   (tmp_path / "summary.json").write_text(json.dumps(
       {"config": saved, "completed": True, "val_ppl": 10.0}))
   assert sweeps.finished_summary(tmp_path, config)["val_ppl"] == 10.0
-  assert sweeps.finished_summary(tmp_path, compare.dataclasses.replace(
+  assert sweeps.finished_summary(tmp_path, comparison.dataclasses.replace(
       config, schedule="wsd")) is None
 
 
@@ -237,13 +238,13 @@ def test_longer_horizon_is_set_beside_the_shorter_one(tmp_path):
   longer = [row("adamw", 70.0, 3_200_000), row("muon", 58.0, 3_200_000),
             row("skewadam", 59.5, 3_200_000, expert_dir="orthogonal"),
             row("lion", 90.0, 3_200_000)]  # not in the shorter one: left out of the table
-  table = compare.horizon_table(shorter, longer)
+  table = comparison.horizon_table(shorter, longer)
   lines = table.splitlines()
   assert "0.80M tokens" in lines[0] and "3.20M tokens" in lines[0] and len(lines) == 2 + 3
   # SkewAdam leads at the shorter horizon and is second at the longer one.
   assert "78.00 ± 0.50 (1) | 59.50 ± 0.50 (2) | 0.763 |" in lines[4]
   assert "80.00 ± 0.50 (2) | 58.00 ± 0.50 (1) | 0.725 |" in lines[3]
-  assert compare.horizon_table(shorter, [row("lion", 90.0, 1)]) == "No row is in both comparisons."
+  assert comparison.horizon_table(shorter, [row("lion", 90.0, 1)]) == "No row is in both comparisons."
   (tmp_path / "short.json").write_text(json.dumps(shorter))
   (tmp_path / "long.json").write_text(json.dumps(longer))
   assert compare.main(["--render", str(tmp_path / "long.json"), "--keep-rows-from",
@@ -270,10 +271,10 @@ def test_a_sweep_around_saved_rates_at_the_final_budget_trains_each_run_once(mon
     trained.append((round(lr, 6), steps, seed, out.name))
     return {"val_ppl": 50.0 + abs(lr - 0.015) * 100 + seed, "tokens_per_s": 1.0,
             "median_step_s": 1.0, "opt_state_bytes": 1, "curve": []}
-  monkeypatch.setattr(compare, "run_or_reuse", fake_run)
-  monkeypatch.setattr(compare.accounting, "state_bytes", lambda *a, **k: {"total": 1})
+  monkeypatch.setattr(comparison, "run_or_reuse", fake_run)
+  monkeypatch.setattr(comparison.accounting, "state_bytes", lambda *a, **k: {"total": 1})
   saved = [{"optimizer": "muon", "config": "default", "lr": 0.03}]
-  [row] = compare.compare([("muon", None)], base=compare.TrainConfig(), out_dir=tmp_path,
+  [row] = comparison.compare([("muon", None)], base=comparison.TrainConfig(), out_dir=tmp_path,
                           steps=8, sweep_steps=8, seeds=(0, 1, 2), lr_factors=(0.5, 1),
                           max_extensions=1, log=lambda m: None, sweep_around=saved)
   assert [t[:3] for t in trained] == [(0.015, 8, 0), (0.03, 8, 0), (0.0075, 8, 0),
@@ -288,7 +289,7 @@ def test_the_first_rates_file_that_has_a_row_wins(monkeypatch, tmp_path):
   def fake_compare(entries, **kwargs):
     seen.update(kwargs)
     return []
-  monkeypatch.setattr(compare, "compare", fake_compare)
+  monkeypatch.setattr(comparison, "compare", fake_compare)
   monkeypatch.setattr(compare, "_write", lambda *a, **k: 0)
   first, second = tmp_path / "a.json", tmp_path / "b.json"
   first.write_text(json.dumps([{"optimizer": "muon", "config": "default", "lr": 0.02}]))
@@ -297,7 +298,7 @@ def test_the_first_rates_file_that_has_a_row_wins(monkeypatch, tmp_path):
   argv = ["--optimizers", "muon,adamw", "--lr-from", f"{first},{second}"]
   assert compare.main(argv) == 0
   assert seen["sweep_around"] is None
-  assert compare.tuned_rates([("muon", None), ("adamw", None)], seen["fixed_lrs"]) == {
+  assert comparison.tuned_rates([("muon", None), ("adamw", None)], seen["fixed_lrs"]) == {
       sweeps.entry_key("muon", None): 0.02, sweeps.entry_key("adamw", None): 0.001}
   assert compare.main(argv + ["--lr-factors", "0.5,1"]) == 0
   assert seen["fixed_lrs"] is None and seen["lr_factors"] == (0.5, 1.0)

@@ -19,7 +19,7 @@ WITH_EXAMPLES = ["models.axes", "models.layerwise", "experiments.training.config
                  "experiments.training.metrics_log", "experiments.training.monitoring",
                  "experiments.training.optimizers", "experiments.training.sampling",
                  "experiments.planning.hlo", "experiments.planning.planner",
-                 "experiments.compare", "experiments.schedules", "experiments.startup"]
+                 "experiments.studies.comparison", "experiments.studies.schedule_study", "experiments.startup"]
 
 
 def _run_examples(name: str) -> doctest.TestResults:

@@ -6,19 +6,19 @@ import math
 
 import pytest
 
-from experiments import schedules
+from experiments.studies import schedule_study
 from experiments.studies import sweeps
 from experiments.training.config import TrainConfig
 
 
 def test_loss_spikes_counts_jumps_over_the_running_median():
   flat = [3.0] * 25
-  assert schedules.loss_spikes(flat) == 0
-  assert schedules.loss_spikes(flat + [3.2]) == 0          # within 10 %
-  assert schedules.loss_spikes(flat + [3.4, 3.5, 3.0]) == 1  # one spike over two steps
-  assert schedules.loss_spikes(flat + [3.4, 3.0, 3.4]) == 2
-  assert schedules.loss_spikes(flat + [math.nan]) == 1
-  assert schedules.loss_spikes([9.0] * 5) == 0              # shorter than the window
+  assert schedule_study.loss_spikes(flat) == 0
+  assert schedule_study.loss_spikes(flat + [3.2]) == 0          # within 10 %
+  assert schedule_study.loss_spikes(flat + [3.4, 3.5, 3.0]) == 1  # one spike over two steps
+  assert schedule_study.loss_spikes(flat + [3.4, 3.0, 3.4]) == 2
+  assert schedule_study.loss_spikes(flat + [math.nan]) == 1
+  assert schedule_study.loss_spikes([9.0] * 5) == 0              # shorter than the window
 
 
 def test_grid_extra_seeds_at_the_best_rate_and_divergence(monkeypatch, tmp_path):
@@ -32,9 +32,9 @@ def test_grid_extra_seeds_at_the_best_rate_and_divergence(monkeypatch, tmp_path)
     ppl = math.inf if diverged else 100 * (1 + abs(math.log(lr / 0.01))) + seed
     losses = [(t, 3.0) for t in range(30)] + [(30, 4.0)]
     return {"val_ppl": ppl, "diverged": diverged, "losses": losses, "curve": []}
-  monkeypatch.setattr(schedules, "run_or_reuse", fake_run)
+  monkeypatch.setattr(schedule_study, "run_or_reuse", fake_run)
   tuned = [{"optimizer": "adamw", "config": "default", "lr": 0.01}]
-  rows = schedules.sweep_schedules(
+  rows = schedule_study.sweep_schedules(
       [("adamw", None)], base=TrainConfig(), out_dir=tmp_path, tuned=tuned,
       schedules=["cosine", "wsd"], steps=50, seeds=[0, 1, 2], lr_factors=[0.5, 1, 4],
       log=lambda m: None)
@@ -50,16 +50,16 @@ def test_grid_extra_seeds_at_the_best_rate_and_divergence(monkeypatch, tmp_path)
   assert high["diverged"] == 1 and high["val_ppl_mean"] is None
   assert high["val_ppl_by_seed"] == [None]
   json.dumps(rows, allow_nan=False)  # strict JSON: no Infinity
-  table = schedules.summary_table(rows)
+  table = schedule_study.summary_table(rows)
   assert "| adamw | wsd | 1.00e-02 | 101.00 ± 1.00 (3) |" in table
   assert "div" in table
-  paths = schedules.plot(rows, tmp_path)
+  paths = schedule_study.plot(rows, tmp_path)
   assert [p.name for p in paths] == ["schedule_cosine.png", "schedule_wsd.png"]
   with pytest.raises(ValueError, match="no tuned learning rate for muon"):
-    schedules.sweep_schedules([("muon", None)], base=TrainConfig(), out_dir=tmp_path,
+    schedule_study.sweep_schedules([("muon", None)], base=TrainConfig(), out_dir=tmp_path,
                               tuned=tuned, schedules=["cosine"], steps=50, seeds=[0])
   with pytest.raises(ValueError, match="unknown schedule 'step'"):
-    schedules.sweep_schedules([("adamw", None)], base=TrainConfig(), out_dir=tmp_path,
+    schedule_study.sweep_schedules([("adamw", None)], base=TrainConfig(), out_dir=tmp_path,
                               tuned=tuned, schedules=["step"], steps=50, seeds=[0])
 
 

@@ -1,1 +1,1 @@
-"""Studies over many runs: sweeps and their shared run cache (the comparison and schedule commands build on them)."""
+"""Studies over many runs: sweeps and their shared run cache (sweeps), the optimizer comparison (comparison) and the schedule study (schedule_study); the compare and schedules commands are over them."""
