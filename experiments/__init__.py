@@ -16,7 +16,7 @@ The commands are the top-level modules (``python -m experiments.NAME`` for
 ``train``, ``sample``, ``compare``, ``schedules``, ``memory``, ``gpu_check``,
 ``parallel``, ``bench``, ``state_bytes``; ``python -m experiments.data``),
 each a short ``main()``; no library module imports a command
-(``tests/test_experiments_layout.py``). Nothing here changes the environment
+(``tests/experiments/test_layout.py``). Nothing here changes the environment
 on import, except on a machine with JAX's CUDA plugin or libtpu and no GPU or
 TPU: there JAX starts on the CPU without the plugins' start-up noise
 (:mod:`experiments.startup`). The optimizer library itself (``skewadam_jax``)

@@ -31,7 +31,7 @@ Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
   costs: one bit an entry, so the per-entry spread of ``|m|`` is lost. On a
   stationary noisy gradient the expert tier's update RMS is 0.90x Adam's
   (0.86x that of fp32 momentum with the same factored ``v``) and the decoded
-  mean ``|m|`` 1.07x fp32's (``tests/test_numerics.py``, ``pytest -s``);
+  mean ``|m|`` 1.07x fp32's (``tests/skewadam_jax/test_transform_numerics.py``, ``pytest -s``);
   on heavy-tailed (log-normal) magnitudes the update RMS is lower (0.77x
   Adam's, the same test) and the decoded mean ``|m|`` higher, since a rank-one size
   cannot follow single large entries. There is no code for zero: in Adam's

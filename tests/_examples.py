@@ -3,7 +3,7 @@
 import importlib.util
 import pathlib
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def load(name: str):

@@ -1,6 +1,6 @@
 """Explicit-sharding stability of SkewAdam's state on 8 simulated CPU devices.
 
-Run by tests/test_config_table.py in a subprocess, because the CPU device count
+Run by tests/skewadam_jax/test_transform_table.py in a subprocess, because the CPU device count
 is fixed when JAX starts (``XLA_FLAGS=--xla_force_host_platform_device_count=8``)
 and the pytest process already started JAX with one device. It reads the
 configuration table as JSON from its first argument or stdin (a list of ``{"id", "momentum",
@@ -23,7 +23,7 @@ import pathlib
 import sys
 import traceback
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402

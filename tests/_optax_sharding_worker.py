@@ -1,6 +1,6 @@
 """optax's own test modules, loaded with SkewAdam substituted for optax's optimizers.
 
-Used by tests/test_optax_suite.py, and run by it as a script for optax's
+Used by tests/skewadam_jax/test_transform_optax_suite.py, and run by it as a script for optax's
 sharding tests, which need 8 devices: the CPU device count is fixed when JAX
 starts, so they run in their own process
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here before JAX is
@@ -41,9 +41,9 @@ import traceback  # noqa: E402
 import types  # noqa: E402
 import unittest  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# First, ahead of this script's own folder: tests/skewadam_jax/ would shadow the library.
+sys.path.insert(0, str(ROOT))
 
 import optax  # noqa: E402
 

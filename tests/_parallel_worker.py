@@ -1,4 +1,4 @@
-"""Checks on 8 simulated CPU devices, run by tests/test_parallel.py in a subprocess.
+"""Checks on 8 simulated CPU devices, run by tests/experiments/test_parallel.py in a subprocess.
 
 The device count is fixed when JAX starts, so this runs in its own process
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints one JSON
@@ -15,7 +15,7 @@ import pathlib
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402

@@ -1,4 +1,4 @@
-"""Helper for tests/test_reliability.py: dies by SIGKILL in the middle of a save.
+"""Helper for tests/experiments/training/test_checkpoint.py: dies by SIGKILL in the middle of a save.
 
     python tests/crash_during_save.py DIR finalize   # killed just before the rename
     python tests/crash_during_save.py DIR external   # the test kills it mid-write
@@ -16,7 +16,7 @@ import pathlib
 import signal
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from orbax.checkpoint._src.path import atomicity  # pylint: disable=g-import-not-at-top

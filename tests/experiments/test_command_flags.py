@@ -13,7 +13,7 @@ import importlib
 import pytest
 
 from experiments.training.config import TrainConfig
-from tests.test_experiments_layout import COMMANDS as COMMAND_MODULES
+from tests.experiments.test_layout import COMMANDS as COMMAND_MODULES
 
 # The commands (python -m experiments.data is the data package's __main__).
 COMMANDS = sorted(COMMAND_MODULES)

@@ -3,8 +3,8 @@
 References: the standard step of the same model (``jax.value_and_grad`` of the
 whole scanned model, then ``optax.clip_by_global_norm`` and the optimizer),
 on a plain-JAX MoE stack (examples/layerwise_plain_jax.py). The engine on
-Flax linen and NNX models: tests/test_layerwise_examples.py; on this
-project's model, with the training command: tests/test_update_in_backward.py.
+Flax linen and NNX models: tests/examples/test_layerwise_examples.py; on this
+project's model, with the training command: tests/models/test_layerwise.py.
 """
 
 import jax

@@ -8,7 +8,9 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests import _subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "experiments"
 
 
@@ -128,7 +130,7 @@ def test_importing_the_commands_changes_no_environment_variable():
           "import experiments.memory, experiments.bench, experiments.gpu_check, "
           "experiments.train, experiments.parallel; "
           "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = _subprocess.environment(platforms=None)
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                        capture_output=True, text=True).stdout
   assert out.strip().splitlines()[-1] == "{}"
@@ -140,7 +142,7 @@ def test_commands_choose_the_cpu_quietly_without_a_gpu():
   # (installed by the gpu-compile extra) and prints its failure.
   code = ("import jax, experiments; experiments.use_cpu_without_gpu(); "
           "print(jax.default_backend())")
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env = _subprocess.environment(platforms=None)
   done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                         capture_output=True, text=True)
   has_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
@@ -150,7 +152,7 @@ def test_commands_choose_the_cpu_quietly_without_a_gpu():
 
 
 def _stderr_of(args):
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env = _subprocess.environment(platforms=None)
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True,
                         capture_output=True, text=True).stderr
 
@@ -171,7 +173,7 @@ def test_importing_the_library_changes_nothing_outside_it():
           "fd2 = os.fstat(2).st_ino; import skewadam_jax; "
           "print(json.dumps([dict(os.environ) == env, jax.config.jax_platforms == platforms, "
           "os.fstat(2).st_ino == fd2, xla_bridge.backends_are_initialized()]))")
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env = _subprocess.environment(platforms=None)
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                        capture_output=True, text=True).stdout
   assert json.loads(out.strip().splitlines()[-1]) == [True, True, True, False]

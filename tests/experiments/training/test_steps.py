@@ -4,7 +4,7 @@ For each setting that changes the step, the training command's compiled step
 (``training.Run``, as ``experiments.train`` builds it) and the memory
 planner's (``planner.compile_step`` of the same configuration) must be the
 same program: the same optimised-HLO fingerprint. On a mesh: the 8-device
-worker (tests/_parallel_worker.py, checked in tests/test_parallel.py).
+worker (tests/_parallel_worker.py, checked in tests/experiments/test_parallel.py).
 """
 
 import jax

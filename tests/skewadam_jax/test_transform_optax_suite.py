@@ -39,6 +39,7 @@ import traceback
 import pytest
 
 from tests import _optax_sharding_worker as suite
+from tests import _subprocess
 
 # optax's tests name no experts or router, so the default labeller warns, as
 # it should, that it put every leaf in the backbone tier.
@@ -170,11 +171,7 @@ def test_optax_sharding_suite_loads():
 
 @pytest.fixture(scope="module")
 def sharding_results():
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-                      "JAX_PROCESS_ID")}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(suite.ROOT))
-  proc = subprocess.run([sys.executable, suite.__file__], env=env, capture_output=True,
+  proc = subprocess.run([sys.executable, suite.__file__], env=_subprocess.environment(devices=8), capture_output=True,
                         text=True, timeout=300, check=False, cwd=str(suite.ROOT))
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """skewadam_jax.state_shardings: specs per encoding, optax states, errors.
 
 Shardings here live on an 8-device ``AbstractMesh``: the rules are about
-PartitionSpecs and shapes, so no devices are needed (tests/test_parallel.py
+PartitionSpecs and shapes, so no devices are needed (tests/experiments/test_parallel.py
 checks them on 8 simulated devices).
 """
 

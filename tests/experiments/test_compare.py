@@ -150,7 +150,7 @@ def test_the_quick_table_has_no_timing_and_names_the_machine():
   assert machine.endswith(f", {os.cpu_count()} cores") and len(machine) > len(" cores") + 3
 
 
-RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results" / "compare.json"
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "results" / "compare.json"
 
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="no committed comparison yet")

@@ -3,7 +3,7 @@ experiments.training.steps.layerwise_step and --update-in-backward).
 
 References: the standard train step (all gradients, then the update) with
 optax's global-norm clipping and ``apply_if_finite``, on ``tiny`` in float32.
-The engine itself on models that are not ours: tests/test_layerwise.py.
+The engine itself on models that are not ours: tests/skewadam_jax/test_layerwise.py.
 """
 
 import jax

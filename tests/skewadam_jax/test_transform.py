@@ -9,7 +9,6 @@ import optax
 import pytest
 
 import skewadam_jax as sa
-from skewadam_jax import labels as labels_lib
 from skewadam_jax import transform
 from tests._steps import run
 
@@ -169,31 +168,19 @@ def test_chain_with_clipping_equals_clipped_adamw(params, grad_seq):
   assert_trees_close(got[-1], ref[-1])
 
 
-def test_inject_hyperparams_matches_plain_and_lr_can_change(params, grad_seq):
+def test_an_injected_learning_rate_can_change_between_steps(params, grad_seq):
+  # That injected hyperparameters match the plain optimizer, per configuration
+  # and dtype, is test_transform_table.py's test_inject_hyperparams_matches_plain.
   factory = optax.inject_hyperparams(
       sa.skewadam, static_args=("weight_decay_mask", "param_labels"),
       hyperparam_dtype=jnp.float32)
   tx = factory(learning_rate=1e-2, weight_decay=0.1, param_labels=sa.moe_param_labels,
                expert=sa.TierConfig(momentum="int8", second_moment="factored"))
-  plain = sa.skewadam(1e-2, weight_decay=0.1,
-                      expert=sa.TierConfig(momentum="int8", second_moment="factored"))
   got, state = run(tx, params, grad_seq[:5])
-  ref, _ = run(plain, params, grad_seq[:5])
-  assert_trees_close(got[-1], ref[-1])
+  assert not np.allclose(got[-1]["embed"], params["embed"])
   state.hyperparams["learning_rate"] = jnp.asarray(0.0)
   updates, _ = tx.update(grad_seq[5], state, got[-1])
   assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
-
-
-def test_multisteps_accumulates_then_steps(params, grad_seq):
-  tx = sa.skewadam(1e-2)
-  multi = optax.MultiSteps(tx, every_k_schedule=2)
-  mean_grads = jax.tree.map(lambda a, b: (a + b) / 2, grad_seq[0], grad_seq[1])
-  ref, _ = run(tx, params, [mean_grads])
-  got, state = run(multi, params, grad_seq[:2])
-  assert_trees_close(got[0], params, rtol=0, atol=0)   # first micro-step: no change
-  assert_trees_close(got[1], ref[0])
-  assert int(state.gradient_step) == 1
 
 
 def test_apply_if_finite_skips_non_finite_step(params, grad_seq):
@@ -224,31 +211,6 @@ def test_bf16_params_get_bf16_updates_from_fp32_state(params, grad_seq):
   assert_trees_close(jax.tree.map(lambda u: u.astype(jnp.float32), u16), u32, rtol=1e-2, atol=1e-6)
   new = optax.apply_updates(p16, u16)
   assert {p.dtype for p in jax.tree.leaves(new)} == {jnp.dtype(jnp.bfloat16)}
-
-
-def _minimise(loss, init, tx, steps):
-  @jax.jit
-  def go(params):
-    def body(_, carry):
-      params, state = carry
-      updates, state = tx.update(jax.grad(loss)(params), state, params)
-      return optax.apply_updates(params, updates), state
-    return jax.lax.fori_loop(0, steps, body, (params, tx.init(params)))[0]
-  return go(init)
-
-
-def test_minimises_parabola():
-  final = jnp.array([1.0, -1.0, 1.0])
-  got = _minimise(lambda p: jnp.sum((p - final) ** 2), jnp.array([-1.0, 10.0, 1.0]),
-                  sa.skewadam(1e-1, weight_decay=0.0), 10_000)
-  np.testing.assert_allclose(got, final, atol=1e-2)
-
-
-def test_minimises_rosenbrock():
-  def rosenbrock(p, a=1.0, b=100.0):
-    return (a - p[0]) ** 2 + b * (p[1] - p[0] ** 2) ** 2
-  got = _minimise(rosenbrock, jnp.array([0.0, 0.0]), sa.skewadam(1e-2, weight_decay=0.0), 10_000)
-  np.testing.assert_allclose(got, jnp.array([1.0, 1.0]), atol=3e-2)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -9,7 +9,6 @@ loopback (``python -m experiments.parallel``, the README's command).
 
 import doctest
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -31,9 +30,9 @@ from experiments.training import distributed
 from experiments.training import mesh as mesh_lib
 from experiments.training import steps
 from experiments import train as train_lib
-from tests import _xla
+from tests import _subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MESH = AbstractMesh((2, 4), ("data", "expert"))
 EXPERTS = "layers/moe/experts"
 
@@ -60,14 +59,6 @@ def stripped(spec):
   while spec and spec[-1] is None:
     spec.pop()
   return tuple(spec)
-
-
-def subprocess_env(**extra):
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-                      "JAX_PROCESS_ID")}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
-  return env
 
 
 # --------------------------------------------------------------------------
@@ -261,7 +252,7 @@ def one_device_params(tmp_path_factory):
 def eight_devices(one_device_params):
   proc = subprocess.run(
       [sys.executable, str(ROOT / "tests" / "_parallel_worker.py"), str(one_device_params)],
-      env=subprocess_env(XLA_FLAGS=_xla.with_devices(8)),
+      env=_subprocess.environment(devices=8),
       capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -381,7 +372,7 @@ def test_two_processes_match_one(tmp_path, eight_devices, one_device_params):
       for i in range(2)]
   outputs = run_together(
       commands, tmp_path, cwd=ROOT,
-      env=subprocess_env(XLA_FLAGS=_xla.with_devices(2)))
+      env=_subprocess.environment(devices=2))
   assert json_lines(outputs[1]) == []  # only process 0 reports
   [result] = json_lines(outputs[0])
   assert result["processes"] == 2 and result["devices"] == 4

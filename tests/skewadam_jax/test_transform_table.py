@@ -22,7 +22,7 @@ dtypes. Every property below runs over the whole table:
 Compiled functions are shared between the tests of a configuration
 (``functools.cache``), so each configuration compiles each function once.
 
-Run alone: ``.venv/bin/python -m pytest tests/test_config_table.py -q``.
+Run alone: ``.venv/bin/python -m pytest tests/skewadam_jax/test_transform_table.py -q``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -44,9 +43,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import skewadam_jax as sa
-from tests import _xla
+from tests import _subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "_explicit_sharding_worker.py"
 
 # ---------------------------------------------------------------------------
@@ -521,12 +520,9 @@ def _sharding_worker(request):
   if not _wants_worker(request.session):
     yield None
     return
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env.update(XLA_FLAGS=_xla.with_devices(8), JAX_PLATFORMS="cpu",
-             PYTHONPATH=str(ROOT))
   proc = subprocess.Popen(
       [sys.executable, str(WORKER), json.dumps([c.as_json() for c in CONFIGS])],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_subprocess.environment(devices=8), cwd=ROOT, text=True)
   yield proc
   if proc.poll() is None:
     proc.kill()

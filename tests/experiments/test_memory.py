@@ -1,7 +1,6 @@
 """The memory planner: exact state bytes, XLA's analysis for a GPU target, the batch search."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from experiments.planning import hlo
 from experiments import memory
 from experiments.planning import planner
 from experiments.training import optimizers
-from tests import _xla
+from tests import _subprocess
 
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
@@ -129,7 +128,7 @@ def test_tier_flags_become_skewadam_tier_configs():
 # Past one device: --devices, collective bytes, FLOPs, TPU targets.
 # --------------------------------------------------------------------------
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # A while loop of 7 iterations with one all-reduce of f32[16] (64 bytes) in its
 # body, the trip count left for the parser to find in the loop's condition.
@@ -182,11 +181,8 @@ def test_collective_bytes_multiply_loop_bodies_by_their_trip_count():
 
 
 def test_collective_bytes_of_known_collectives_on_8_cpu_devices():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS=_xla.with_devices(8))
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_collectives_worker.py")],
-                        env=env, capture_output=True, text=True, timeout=300, check=False)
+                        env=_subprocess.environment(devices=8), capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   shard, gathered = 8 * 128 * 4, 64 * 128 * 4  # f32[8,128] per device, f32[64,128] gathered
