@@ -6,7 +6,7 @@ dimension numbers and shardings are all derived from that declaration.
 
 The paths also follow a contract, for optimizers' path-based labellers such
 as ``skewadam_jax.moe_param_labels`` (tested in
-``tests/test_models_transformer.py``): flatten
+``tests/models/test_transformer.py``): flatten
 ``nnx.state(model, nnx.Param)`` with ``jax.tree_util.tree_flatten_with_path``
 and join the key names with '/' (ignoring a trailing ``value``). Then
 
