@@ -46,6 +46,7 @@ import optax
 import experiments
 from experiments.planning import hlo, planner
 from experiments.training import run as training
+from experiments.training import steps as steps_lib
 from experiments.training.config import TrainConfig
 import skewadam_jax
 
@@ -301,7 +302,7 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   over the number of parameters: what the update would read and write on
   that GPU.
   """
-  _, _, params, _ = planner.abstract_model(preset, jnp.bfloat16)
+  _, _, params, _ = steps_lib.abstract_model(preset, jnp.bfloat16)
   sharding, warning = planner.target_sharding(target)
   place = lambda t: planner.with_sharding(t, sharding)
   n = sum(x.size for x in jax.tree.leaves(params))

@@ -69,7 +69,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
       model = models.Transformer(config, rngs=nnx.Rngs(0))
       return nnx.as_pure(nnx.state(model, nnx.Param))
 
-    _, graphdef, _, rest = planner.abstract_model(preset, jnp.bfloat16)
+    _, graphdef, _, rest = steps_lib.abstract_model(preset, jnp.bfloat16)
     params = init_params()
     # The step the training command runs, as the planner compiles it.
     run_config = planner.train_config(preset, optimizer, update_in_backward=update_in_backward,

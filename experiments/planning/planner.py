@@ -334,11 +334,6 @@ def mesh_shape(devices: int, num_experts: int, spec: str | None = None) -> dict[
   return {"data": sizes["data"], "expert": sizes["expert"]}
 
 
-def abstract_model(preset: str, param_dtype: Any = jnp.bfloat16, **overrides):
-  """(model config, graphdef, abstract params, abstract rest); bf16 by default."""
-  return steps_lib.abstract_model(preset, param_dtype, **overrides)
-
-
 def train_config(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
                  param_dtype: Any = jnp.bfloat16, update_in_backward: bool = False,
                  clip_mode: str = "exact", skip_nonfinite: int = 0,

@@ -191,7 +191,9 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
 def abstract_split(model_config: models.ModelConfig):
   """(graphdef, abstract params, abstract rest, declared axes) of a model, nothing allocated.
 
-  Params and rest are pure ``ShapeDtypeStruct`` trees (no Variables).
+  The one abstract-model builder of the experiments: the planner, the
+  accounting, the benchmarks and the GPU check all start from it. Params and
+  rest are pure ``ShapeDtypeStruct`` trees (no Variables).
   """
   model = nnx.eval_shape(lambda: models.Transformer(model_config, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -226,4 +228,4 @@ def abstract_params(preset: str, dtype=None):
 @functools.cache
 def abstract_axes(preset: str) -> dict[str, tuple]:
   """The preset's declared logical axes by path (:func:`models.logical_axes`)."""
-  return models.logical_axes(models.abstract_params(models.get_preset(preset)))
+  return abstract_split(models.get_preset(preset))[3]

@@ -13,6 +13,7 @@ import pytest
 import models
 import skewadam_jax
 from experiments.training import config as config_lib
+from experiments.training import steps as steps_lib
 from experiments.planning import hlo
 from experiments import memory
 from experiments.planning import planner
@@ -22,7 +23,7 @@ from tests import _subprocess
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
 def test_planner_state_bytes_equal_a_real_state_on_tiny(optimizer):
-  _, _, abstract, _ = planner.abstract_model("tiny", jnp.bfloat16)
+  _, _, abstract, _ = steps_lib.abstract_model("tiny", jnp.bfloat16)
   tx = planner.make_tx(optimizer, "tiny")
   planned = skewadam_jax.abstract_state_bytes_by_tier(tx, abstract)
   params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
@@ -33,7 +34,7 @@ def test_planner_state_bytes_equal_a_real_state_on_tiny(optimizer):
 
 def test_6p78b_state_bytes_without_allocating():
   live_before = sum(x.nbytes for x in jax.live_arrays())
-  _, _, params, _ = planner.abstract_model("moe-6.78b", jnp.bfloat16)
+  _, _, params, _ = steps_lib.abstract_model("moe-6.78b", jnp.bfloat16)
   assert skewadam_jax.tree_bytes(params) == 2 * 6_775_424_000
   adamw = skewadam_jax.abstract_state_bytes_by_tier(planner.make_tx("adamw", "moe-6.78b"), params)
   assert adamw["total"] == 8 * 6_775_424_000 + 4 + 4  # fp32 m, v; adam and schedule counts
@@ -55,7 +56,7 @@ def test_gpu_target_compile_of_tiny():
   if not planner.gpu_compile_available("a100-40gb"):
     pytest.skip("gpu-compile extra not installed (jax-cuda12-plugin, nvidia-cuda-nvcc-cu12): "
                 "cannot compile for the A100 target here")
-  _, _, params, _ = planner.abstract_model("tiny", jnp.bfloat16)
+  _, _, params, _ = steps_lib.abstract_model("tiny", jnp.bfloat16)
   state = jax.eval_shape(planner.make_tx("skewadam", "tiny").init, params)
   result = planner.compile_step(planner.train_config("tiny", "skewadam"), batch=2, seq=16,
                                 target="a100-40gb")
@@ -64,7 +65,7 @@ def test_gpu_target_compile_of_tiny():
 
 
 def test_cpu_compile_of_tiny_warns():
-  _, _, params, _ = planner.abstract_model("tiny", jnp.bfloat16)
+  _, _, params, _ = steps_lib.abstract_model("tiny", jnp.bfloat16)
   state = jax.eval_shape(planner.make_tx("adamw", "tiny").init, params)
   result = planner.compile_step(planner.train_config("tiny", "adamw"), batch=2, seq=16,
                                 target="cpu")
