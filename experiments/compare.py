@@ -27,7 +27,7 @@ it across sessions (``experiments/long_protocol.sh``).
 
 Everything else is shared: the preset, the corpus and its split, batch and
 sequence length, the warmup + cosine schedule shape, clipping at 1.0 and
-decoupled weight decay 0.1 on matrices (see ``experiments/optimizers.py``).
+decoupled weight decay 0.1 on matrices (see ``experiments/training/optimizers.py``).
 
 Outputs in ``--out``: ``compare.json`` (one row per optimizer/configuration:
 ``optimizer, config, lr, seeds, val_ppl_mean, val_ppl_std, val_ppl_by_seed,

@@ -11,7 +11,7 @@ For a preset and an optimizer it reports
   backward, optimizer update; parameters and optimizer state donated): the very
   ``train_step`` of ``experiments.training.steps``, compiled for the target GPU on a
   machine without one ("deviceless" compilation against the target description
-  in ``experiments/gpu_targets/``). ``peak = argument + output − alias + temp``;
+  in ``experiments/planning/gpu_targets/``). ``peak = argument + output − alias + temp``;
 * the verdict against the device's memory less a safety margin (2 GB by
   default: CUDA context, cuBLAS/cuDNN workspaces, fragmentation), and the
   largest batch that fits (doubling, then bisection); ``--device-memory-gb N``
@@ -29,7 +29,7 @@ over ``matmul_flops``.
 
 ``--devices N`` compiles the step sharded over N devices of the target (an
 N-GPU node; N TPU chips), with the training command's mesh and shardings
-(``experiments/mesh.py``; the batch split over ``data``): ``--mesh
+(``experiments/training/mesh.py``; the batch split over ``data``): ``--mesh
 data=A,expert=B`` and ``--fsdp``/``--no-fsdp`` (split every matrix over
 ``data`` as well; off by default with a given mesh) choose the layout; by
 default ``data=N`` with FSDP, which
@@ -39,7 +39,7 @@ expert`` (``experiments.planning.planner.default_layout``).
 Memory figures are then per device, ``--batch`` and the largest batch that
 fits are global (multiples of ``data``), and ``collective_bytes`` gives the
 bytes each collective kind handles per device per step, read from the
-compiled HLO with the layer loop's trip count (``experiments/hlo.py``).
+compiled HLO with the layer loop's trip count (``experiments/planning/hlo.py``).
 
 ``--target tpu-v5e | tpu-v5p | tpu-v6e`` compiles with libtpu's ahead-of-time
 compiler, without a TPU (``pip install -e '.[tpu-compile]'``); ``--devices N``

@@ -6,7 +6,7 @@ Reads the run's configuration from its latest checkpoint, restores the
 parameters, encodes the prompt with the run's tokenizer (``tokenizer.json``,
 written by the training command) and prints the prompt and its continuation:
 temperature and top-k sampling with a seeded key, each token a full forward
-pass over the run's context window (no KV cache; ``experiments/sampling.py``
+pass over the run's context window (no KV cache; ``experiments/training/sampling.py``
 states the cost). Bad flags or a run without a checkpoint: one line, exit 2.
 """
 

@@ -4,7 +4,7 @@
 
 Data: the bundled Shakespeare corpus (or ``--data PATH``, any UTF-8 file or
 folder), split into whole held-out works, tokenised with a byte-level BPE trained
-locally and cached (``experiments/data.py``); or ``--data DIR``, a corpus of any
+locally and cached (``experiments/data/``); or ``--data DIR``, a corpus of any
 size prepared once by ``python -m experiments.data prepare`` and read through
 ``np.memmap`` (a bad manifest is a one-line error). The train step is one jitted
 function (forward, backward, optimizer update) with the parameters and optimizer
@@ -13,7 +13,7 @@ sees exactly the batches of an uninterrupted one; on a mesh each process reads
 only its own devices' rows of it. ``--mesh data=4,expert=2``
 shards the same step over a device mesh and ``--coordinator-address``,
 ``--num-processes``, ``--process-id`` join several processes
-(``experiments/mesh.py``, ``experiments/distributed.py``). The run itself is
+(``experiments/training/mesh.py``, ``experiments/training/distributed.py``). The run itself is
 :mod:`experiments.training.run`; this module is its command line. Every flag is a field of
 :class:`experiments.training.config.TrainConfig`, which also says which settings a
 resumed run must keep.

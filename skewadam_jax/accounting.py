@@ -42,7 +42,7 @@ def leaf_bytes(x) -> int:
 def tree_bytes(tree) -> int:
   """Total bytes of the arrays (or ``ShapeDtypeStruct``s) in ``tree``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> tree_bytes({"w": jax.ShapeDtypeStruct((1000, 1000), jnp.bfloat16)})
     2000000
@@ -73,7 +73,7 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
     ``{"backbone", "expert", "router", "other", "total"}`` in bytes; the first
     four sum to ``"total"``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> params = {"embed": jax.ShapeDtypeStruct((100, 8), jnp.float32),
     ...           "moe": {"experts": jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)}}
@@ -158,7 +158,7 @@ def state_bytes_per_param(tx, params) -> list[int]:
     tx: any optax ``GradientTransformation``.
     params: parameters or a matching tree of ``jax.ShapeDtypeStruct``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> params = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32),
     ...           "b": jax.ShapeDtypeStruct((8,), jnp.float32)}

@@ -58,7 +58,7 @@ class MatrixAxes(NamedTuple):
       is stepped a layer at a time, not an expert at a time. It changes no
       other tier's arithmetic.
 
-  Example:
+  Examples:
     >>> from skewadam_jax import MatrixAxes
     >>> query = MatrixAxes(0, (1, 2))      # [D, H, K] as the D x (H*K) matrix
     >>> query.row_axes, query.col_axes, query.pack_axis

@@ -287,7 +287,7 @@ def get_encoding(name: str, *, block_size: int = 256,
     ValueError: for an unknown name, a non-positive block size or an unknown
       int8 code.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from skewadam_jax import MatrixAxes
     >>> int8, axes = get_encoding("int8", block_size=4), MatrixAxes(0, 1)  # axes >= 0

@@ -94,7 +94,7 @@ def rank_one(row: jax.Array, col: jax.Array, axes: MatrixAxes, *,
   XLA:CPU from fusing the reconstruction into what reads it (the ``sign``
   decode's temporaries grew from 252 to 666 MB on the bench's tree).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from skewadam_jax import MatrixAxes
     >>> v = jnp.outer(jnp.array([1.0, 4.0]), jnp.array([2.0, 3.0, 1.0]))

@@ -111,7 +111,7 @@ def path_to_str(path) -> str:
     The path as a string, e.g. ``"layers/moe/experts/w_up"``; ``""`` for a
     bare array.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> [(p, _)] = jax.tree_util.tree_flatten_with_path({"a": [jnp.ones(2)]})[0]
     >>> path_to_str(p)
@@ -245,7 +245,7 @@ def moe_param_labels(tree, *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
   Returns:
     A pytree of strings with the structure of ``tree``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> params = {"embed": jnp.zeros((8, 4)),
     ...           "moe": {"router": jnp.zeros((4, 2)),
@@ -272,7 +272,7 @@ def label_names(names: Sequence[str], *, router: Patterns = DEFAULT_ROUTER_PATTE
     router, expert: patterns, as in :func:`moe_param_labels` (or
       ``**PATTERNS[name]``).
 
-  Example:
+  Examples:
     >>> label_names(["block_0/attention/query/kernel",
     ...              "block_0/sparse_moe/router/kernel",
     ...              "block_0/sparse_moe/experts/gate_kernel"])

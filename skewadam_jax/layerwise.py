@@ -262,7 +262,7 @@ def scanned_matrix_axes(stack: StackSpec, layer_axis: LayerAxis = 0) -> Callable
   Returns:
     A callable for ``skewadam(..., matrix_axes=...)``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> params = {"blocks": {"w": jnp.ones((4, 8, 16)), "b": jnp.ones((4, 16))},
     ...           "head": jnp.ones((8, 3))}
@@ -313,7 +313,7 @@ def check_separable(tx: optax.GradientTransformation, params) -> None:
   Raises:
     ValueError: naming the first leaf whose update depended on the others.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> params = {"a": jnp.ones(3), "b": jnp.ones(3)}
     >>> check_separable(optax.adam(1e-3), params)

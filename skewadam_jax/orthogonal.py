@@ -55,7 +55,7 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
     An array of ``x``'s shape whose matrices have the singular vectors of
     ``x``'s and singular values near one.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> q = newton_schulz(jnp.array([[3.0, 0.0], [0.0, 0.5]]))
     >>> bool(jnp.all(jnp.abs(jnp.diag(q) - 1) < 0.35))

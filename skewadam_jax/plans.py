@@ -73,7 +73,7 @@ def plan_table(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> 
   Returns:
     A table with a header row and one row per leaf (:data:`COLUMNS`).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> params = {"embed": jax.ShapeDtypeStruct((64, 8), jnp.float32),
     ...           "moe": {"router": jax.ShapeDtypeStruct((8, 4), jnp.float32),

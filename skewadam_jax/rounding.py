@@ -21,7 +21,7 @@ carries into the upper half with that probability; truncating the lower half
 then gives ``lo`` or ``hi``. The sign is a separate bit, so the magnitude is
 rounded and the rule holds for negative values too.
 
-Example:
+Examples:
   >>> import jax, jax.numpy as jnp
   >>> import skewadam_jax
   >>> params = {"w": jnp.ones((4,), jnp.bfloat16), "b": jnp.zeros((4,))}
@@ -89,7 +89,7 @@ def apply_updates_stochastic(params, updates, key: jax.Array):
     The updated parameters, with the structure, shapes and dtypes of
     ``params``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> import skewadam_jax
     >>> params = {"w": jnp.ones((8, 4), jnp.bfloat16)}

@@ -165,7 +165,7 @@ def state_shardings(tx, params, param_shardings, *, mesh=None):
       axes (naming the path), ``PartitionSpec`` s come without ``mesh``, or a
       state array has an axis longer than its parameter's (naming the path).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
     >>> import skewadam_jax

@@ -811,7 +811,7 @@ def scale_by_skewadam(
       match the tree or are invalid, or an ``update`` whose tree or state
       differs from what ``init`` made (each message names the parameter path).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> import skewadam_jax
     >>> params = {"embed": jnp.ones((8, 4)),
@@ -969,7 +969,7 @@ def add_decayed_weights_to_matrices(
   Raises:
     ValueError: if ``update`` is called without ``params``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> decay = add_decayed_weights_to_matrices(optax.linear_schedule(0.1, 0.0, 10))
     >>> params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
@@ -1070,9 +1070,10 @@ def skewadam(
       the default needs nothing.
     nesterov: Nesterov's momentum, as ``optax.adamw(nesterov=True)``.
     weight_decay_mask: the former name of ``mask`` (either, not both).
-    param_labels, matrix_axes, backbone, expert, router, factored_eps,
-      orthogonal_mask, clip_threshold, contain_nonfinite, max_grad_norm: as
-      in :func:`scale_by_skewadam` (``max_grad_norm=1.0`` is
+    param_labels: as in :func:`scale_by_skewadam`, and so are
+      ``matrix_axes``, ``backbone``, ``expert``, ``router``,
+      ``factored_eps``, ``orthogonal_mask``, ``clip_threshold``,
+      ``contain_nonfinite`` and ``max_grad_norm`` (``max_grad_norm=1.0`` is
       ``optax.chain(optax.clip_by_global_norm(1.0), skewadam(...))`` with no
       clipped copy of the gradients).
 
@@ -1092,7 +1093,7 @@ def skewadam(
   reaches ``K``, before that happens (``state.total_notfinite`` counts all
   skips).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> import skewadam_jax
     >>> params = {"embed": jnp.ones((8, 4)),

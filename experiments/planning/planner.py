@@ -9,7 +9,7 @@ For a preset and an optimizer, :func:`plan` reports
   backward, optimizer update; parameters and optimizer state donated): the very
   ``train_step`` of :func:`experiments.training.steps.make_step_fns`, compiled for the
   target GPU on a machine without one ("deviceless" compilation against the
-  target description in ``experiments/gpu_targets/``).
+  target description in ``experiments/planning/gpu_targets/``).
   ``peak = argument + output − alias + temp``;
 * the verdict against the device's memory less a safety margin (2 GB by
   default: CUDA context, cuBLAS/cuDNN workspaces, fragmentation), and the

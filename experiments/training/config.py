@@ -68,7 +68,7 @@ class TrainConfig:
   seq_len: int | None = setting(None, "tokens per sequence (default: the preset's "
                                 "maximum)", structural=True, kind=int)
   lr: float | None = setting(None, "peak learning rate (default: the optimizer's "
-                             "sweep centre, experiments/optimizers.py)",
+                             "sweep centre, experiments/training/optimizers.py)",
                              structural=True, kind=float)
   warmup_steps: int = setting(60, "linear warmup steps before the decay",
                               structural=True)
@@ -139,7 +139,7 @@ class TrainConfig:
       None, "SkewAdam expert-bank update direction (as --backbone-direction)",
       structural=True, choices=_DIRECTIONS, kind=str)
   mesh: str | None = setting(None, "SPMD mesh, e.g. data=4,expert=2 "
-                             "(experiments/mesh.py); a checkpoint resumes on "
+                             "(experiments/training/mesh.py); a checkpoint resumes on "
                              "any mesh", structural=False, kind=str)
   fsdp: bool = setting(False, "with --mesh: also split every matrix (its larger axis; "
                        "parameters, gradients and optimizer state) over the mesh's data "
@@ -470,7 +470,7 @@ def parse_with_config_file(parser, argv=None):
   """
   if not any("--config" in a.option_strings for a in parser._actions):  # pylint: disable=protected-access
     parser.add_argument("--config", default=None, metavar="FILE",
-                        help="a TOML configuration file (experiments/config.py, "
+                        help="a TOML configuration file (experiments/training/config.py, "
                         "load_config_file); flags given here override it")
   first = argparse.ArgumentParser(add_help=False)
   first.add_argument("--config", default=None)

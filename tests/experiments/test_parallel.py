@@ -1,4 +1,4 @@
-"""experiments/mesh.py, distributed.py and the parallel command: mesh, shardings, the sharded step, several processes.
+"""experiments/training/mesh.py, distributed.py and the parallel command: mesh, shardings, the sharded step, several processes.
 
 Layout rules are checked in this process on an ``AbstractMesh`` (no devices
 needed). The checks that need devices run in subprocesses, because the CPU

@@ -1,4 +1,4 @@
-"""Tests for experiments/data.py: corpus, split, tokenizer, batches, baseline."""
+"""Tests for experiments/data/: corpus, split, tokenizer, batches, baseline."""
 
 import lzma
 import math

@@ -1,4 +1,4 @@
-"""Prepared corpora (experiments/data.py): streamed prepare, memory-mapped
+"""Prepared corpora (experiments/data/): streamed prepare, memory-mapped
 shards, batches, manifest checks, and exact resume of a training run on one.
 
 Every prepare here uses tiny read, piece, encode and shard sizes, so the

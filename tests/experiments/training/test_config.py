@@ -1,4 +1,4 @@
-"""The training configuration as a file (experiments/config.py): a user's own MoE shape.
+"""The training configuration as a file (experiments/training/config.py): a user's own MoE shape.
 
 A TOML file sets any TrainConfig field in its table; the command line
 overrides it; ``experiments.train --config FILE`` trains it and

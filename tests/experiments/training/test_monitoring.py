@@ -1,6 +1,6 @@
 """Live monitoring and samples: routing health, TensorBoard event files, the
-heatmap, text sampling and the sample command (experiments/monitoring.py,
-experiments/sampling.py, experiments/sample.py)."""
+heatmap, text sampling and the sample command (experiments/training/monitoring.py,
+experiments/training/sampling.py, experiments/sample.py)."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""experiments/training.py's loop: the host reads a step's metrics only after
+"""experiments/training/run.py's loop: the host reads a step's metrics only after
 dispatching the next step (so it never waits on the device between steps),
 with and without --skip-nonfinite, and the metrics log it writes."""
 

@@ -1,4 +1,4 @@
-"""The one step builder (experiments/steps.py): the planner compiles the step ``train`` runs.
+"""The one step builder (experiments/training/steps.py): the planner compiles the step ``train`` runs.
 
 For each setting that changes the step, the training command's compiled step
 (``training.Run``, as ``experiments.train`` builds it) and the memory

@@ -1,0 +1,40 @@
+"""MkDocs hook: the command-line reference is generated from the commands' own parsers.
+
+``docs/reference/cli.md`` holds the marker ``<!-- commands -->``; each
+``python -m experiments.NAME`` command's ``--help`` replaces it at build
+time, so the reference cannot drift from the flags.
+"""
+
+import importlib
+import os
+import pathlib
+import sys
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+
+MARKER = "<!-- commands -->"
+# python -m experiments.NAME, in the order a newcomer meets them.
+COMMANDS = ("train", "compare", "memory", "data", "sample", "schedules", "state_bytes",
+            "parallel", "bench", "gpu_check")
+
+
+def command_reference(names=COMMANDS) -> str:
+  """Markdown: one section per command, its description and its ``--help``."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if ROOT not in sys.path:  # the commands run from the checkout, not the installed library
+    sys.path.insert(0, ROOT)
+  sections = []
+  for name in names:
+    module = importlib.import_module(
+        "experiments.data.__main__" if name == "data" else f"experiments.{name}")
+    parser = module.build_parser()
+    parser.prog = f"python -m experiments.{name}"
+    sections.append(f"## `python -m experiments.{name}`\n\n{parser.description or ''}\n\n"
+                    f"```text\n{parser.format_help()}```\n")
+  return "\n".join(sections)
+
+
+def on_page_markdown(markdown, page, **kwargs):  # pylint: disable=unused-argument
+  if MARKER in markdown:
+    return markdown.replace(MARKER, command_reference())
+  return markdown
