@@ -66,6 +66,7 @@ from typing import Sequence
 import experiments
 from experiments.studies import comparison
 from experiments.studies.sweeps import base_config, parse_entries
+from experiments.training import config as config_lib
 from experiments.training import optimizers
 
 
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.compare",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="small")
+  parser.add_argument("--config", default=None, metavar="FILE",
+                      help="a TOML configuration file whose [model] table sets the model (its "
+                      "preset and dimensions); the protocol sets everything else")
   parser.add_argument("--optimizers", default=None,
                       help="comma-separated, from " + ", ".join(optimizers.OPTIMIZERS)
                       + f" (default: all; with --quick {comparison.QUICK_OPTIMIZERS}; empty: only the "
@@ -161,8 +165,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     entries = parse_entries(names, args.skewadam_configs)
     if args.ablation:
       entries += [("skewadam", c) for c in comparison.ABLATION]
-    base = base_config(preset=args.preset, batch_size=args.batch_size, data=args.data,
-                       eval_every=budget["eval_every"], eval_batches=budget["eval_batches"])
+    model = {}
+    if args.config:
+      model = {k: v for k, v in config_lib.load_config_file(args.config).items()
+               if k in config_lib.SECTIONS["model"]}
+    base = base_config(preset=model.pop("preset", args.preset), batch_size=args.batch_size,
+                       data=args.data, eval_every=budget["eval_every"],
+                       eval_batches=budget["eval_batches"], model=model)
     out = pathlib.Path(args.out)
     runs = pathlib.Path(args.runs) if args.runs else out / "runs"
     rows = comparison.compare(entries, base=base, out_dir=runs,

@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 RUNS=experiments/results/compare-long-runs
-RATES=experiments/results/compare-long.json,experiments/results/orthogonal/quick-normalized.json
+# The sweep centres: the rates 0.2.0's comparison tuned (frozen, so that a rerun
+# after compare-long.json is rewritten finds the same runs).
+RATES=experiments/results/compare-long-0.2.0.json,experiments/results/orthogonal/quick-normalized.json
 NORMALIZED="backbone_dir=normalized_orthogonal,expert_dir=normalized_orthogonal"
 ORTHOGONAL="backbone_dir=orthogonal,expert_dir=orthogonal"
 PROTOCOL=(--steps 1600 --sweep-steps 1600 --seeds 0,1,2 --lr-factors 0.5,1
@@ -23,7 +25,21 @@ one --optimizers muon
 one --optimizers "" --skewadam-configs "$ORTHOGONAL"
 one --optimizers skewadam
 one --optimizers adamw
-# Every run is finished: this only reads them back and writes the table.
-"$PYTHON" -m experiments.compare "${PROTOCOL[@]}" --optimizers adamw,skewadam,muon \
-    --skewadam-configs "$NORMALIZED;$ORTHOGONAL" --out experiments/results --name compare-long \
-    --shorter experiments/results/orthogonal/compare.json
+ALL=(--optimizers adamw,skewadam,muon --skewadam-configs "$NORMALIZED;$ORTHOGONAL")
+# Every 1600-step run is finished: this only reads them back and writes the table.
+"$PYTHON" -m experiments.compare "${PROTOCOL[@]}" "${ALL[@]}" --out experiments/results \
+    --name compare-long
+# The same rows at 400 steps, 3 seeds each at the rates the 1600-step sweep
+# chose, in their own runs folder (a run's folder name does not hold its steps).
+"$PYTHON" -m experiments.compare --steps 400 --seeds 0,1,2 "${ALL[@]}" \
+    --lr-from experiments/results/compare-long.json --runs experiments/results/compare-400-runs \
+    --reuse-runs --no-progress --out experiments/results --name compare-400
+# Both horizons in one table (a redraw: nothing trains).
+"$PYTHON" -m experiments.compare --render experiments/results/compare-long.json \
+    --shorter experiments/results/compare-400.json --out experiments/results --name compare-long
+# The second scale (5.06x small's parameters), one seed a row at the 1600-step
+# rates, 400 steps.
+"$PYTHON" -m experiments.compare --config experiments/configs/small-x5.toml --steps 400 \
+    --seeds 0 "${ALL[@]}" --lr-from experiments/results/compare-long.json \
+    --runs experiments/results/compare-x5-runs --reuse-runs --no-progress \
+    --out experiments/results --name compare-x5

@@ -39,10 +39,15 @@ IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam"}
 
 
 def base_config(*, preset: str = "small", batch_size: int = 16, data: str | None = None,
-                eval_every: int = 100, eval_batches: int = 16) -> TrainConfig:
-  """The configuration a sweep's runs share before their own settings."""
+                eval_every: int = 100, eval_batches: int = 16,
+                model: dict | None = None) -> TrainConfig:
+  """The configuration a sweep's runs share before their own settings.
+
+  ``model``: the model's fields on top of ``preset`` (a configuration file's
+  ``[model]`` table without its ``preset``: ``num_layers``, ``d_model``, ...).
+  """
   return TrainConfig(preset=preset, batch_size=batch_size, data=data, eval_every=eval_every,
-                     eval_batches=eval_batches, ckpt_every=10**9,
+                     eval_batches=eval_batches, ckpt_every=10**9, **(model or {}),
                      # every step timed and logged, for step-time ratios and
                      # loss spikes; no text samples (they change no number)
                      log_every=1, sample_tokens=0)

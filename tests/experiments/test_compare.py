@@ -7,6 +7,8 @@ import statistics
 
 import pytest
 
+import models
+
 from experiments import compare
 from experiments.studies import comparison
 from experiments.studies import sweeps
@@ -304,3 +306,23 @@ def test_the_first_rates_file_that_has_a_row_wins(monkeypatch, tmp_path):
   assert compare.main(argv + ["--lr-factors", "0.5,1"]) == 0
   assert seen["fixed_lrs"] is None and seen["lr_factors"] == (0.5, 1.0)
   assert seen["sweep_around"] is not None
+
+
+def test_a_config_files_model_is_the_comparisons_model(monkeypatch, tmp_path):
+  seen = {}
+
+  def fake_compare(entries, **kwargs):
+    seen.update(kwargs)
+    return []
+  monkeypatch.setattr(comparison, "compare", fake_compare)
+  monkeypatch.setattr(compare, "_write", lambda *a, **k: 0)
+  shipped = comparison.TUNED_RATES.parents[1] / "configs" / "small-x5.toml"
+  assert compare.main(["--optimizers", "adamw", "--config", str(shipped)]) == 0
+  model = seen["base"].model_config()
+  assert (model.num_layers, model.d_model, model.d_ff, model.num_experts) == (6, 256, 512, 8)
+  assert models.count_params(model)["total"] == 22_560_000  # 5.06x small's
+  other = tmp_path / "other.toml"
+  other.write_text('[model]\npreset = "tiny"\nnum_layers = 3\n[run]\nsteps = 7\n')
+  assert compare.main(["--optimizers", "adamw", "--config", str(other)]) == 0
+  assert seen["base"].preset == "tiny" and seen["base"].model_config().num_layers == 3
+  assert seen["base"].steps != 7  # the protocol, not the file, sets the rest
