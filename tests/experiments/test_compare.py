@@ -286,14 +286,21 @@ def test_a_sweep_around_saved_rates_at_the_final_budget_trains_each_run_once(mon
   assert row["val_ppl_by_seed"] == [50.0, 51.0, 52.0]
 
 
-def test_the_first_rates_file_that_has_a_row_wins(monkeypatch, tmp_path):
-  seen = {}
+@pytest.fixture
+def seen(monkeypatch):
+  """What the command passes to the protocol (which does not run), by keyword."""
+  arguments = {}
 
   def fake_compare(entries, **kwargs):
-    seen.update(kwargs)
+    del entries
+    arguments.update(kwargs)
     return []
   monkeypatch.setattr(comparison, "compare", fake_compare)
   monkeypatch.setattr(compare, "_write", lambda *a, **k: 0)
+  return arguments
+
+
+def test_the_first_rates_file_that_has_a_row_wins(seen, tmp_path):
   first, second = tmp_path / "a.json", tmp_path / "b.json"
   first.write_text(json.dumps([{"optimizer": "muon", "config": "default", "lr": 0.02}]))
   second.write_text(json.dumps([{"optimizer": "muon", "config": "default", "lr": 0.05},
@@ -308,14 +315,7 @@ def test_the_first_rates_file_that_has_a_row_wins(monkeypatch, tmp_path):
   assert seen["sweep_around"] is not None
 
 
-def test_a_config_files_model_is_the_comparisons_model(monkeypatch, tmp_path):
-  seen = {}
-
-  def fake_compare(entries, **kwargs):
-    seen.update(kwargs)
-    return []
-  monkeypatch.setattr(comparison, "compare", fake_compare)
-  monkeypatch.setattr(compare, "_write", lambda *a, **k: 0)
+def test_a_config_files_model_is_the_comparisons_model(seen, tmp_path):
   shipped = comparison.TUNED_RATES.parents[1] / "configs" / "small-x5.toml"
   assert compare.main(["--optimizers", "adamw", "--config", str(shipped)]) == 0
   model = seen["base"].model_config()

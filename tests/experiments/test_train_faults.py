@@ -31,7 +31,6 @@ def bad_corpora(tmp_path_factory):
     (["--data", "{bad}/short.txt"], "{bad}/short.txt: training split too short: only"),
     (["--data", "{bad}/no_text"], "{bad}/no_text: folder contains no text files"),
     (["--data", "{bad}/missing.txt"], "{bad}/missing.txt: corpus path does not exist"),
-    (["--preset", "huge"], "Unknown model preset 'huge'"),
     (["--optimizer", "sgd"], "unknown optimizer 'sgd'"),
     (["--lr", "-0.1"], "--lr must be > 0, got -0.1"),
     (["--lr", "nan"], "--lr must be > 0, got nan"),
