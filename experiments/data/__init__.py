@@ -58,7 +58,7 @@ Nothing here touches the network.
 
 from __future__ import annotations
 
-from experiments.data.corpus import (  # noqa: F401
+from experiments.data.corpus import (
     REPO_ROOT,
     DEFAULT_CORPUS,
     DataError,
@@ -73,7 +73,7 @@ from experiments.data.corpus import (  # noqa: F401
     iter_text,
     held_out_names,
 )
-from experiments.data.tokenizer import (  # noqa: F401
+from experiments.data.tokenizer import (
     DEFAULT_CACHE_DIR,
     EOT_TOKEN,
     NUM_BYTES,
@@ -86,14 +86,14 @@ from experiments.data.tokenizer import (  # noqa: F401
     stream_pieces,
     load_tokenizer_file,
 )
-from experiments.data.batches import (  # noqa: F401
+from experiments.data.batches import (
     PreparedData,
     TokenDataset,
     eval_batches,
     unigram_perplexity,
     prepare_data,
 )
-from experiments.data.shards import (  # noqa: F401
+from experiments.data.shards import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
     PREPARED_FORMAT,
@@ -107,6 +107,51 @@ from experiments.data.shards import (  # noqa: F401
     is_prepared_dir,
     open_prepared,
 )
-from experiments.data.synthetic import (  # noqa: F401
+from experiments.data.synthetic import (
     generate_corpus,
 )
+
+__all__ = [
+    "REPO_ROOT",
+    "DEFAULT_CORPUS",
+    "DataError",
+    "Document",
+    "load_corpus",
+    "read_text",
+    "split_works",
+    "folder_files",
+    "split_documents",
+    "READ_BYTES",
+    "SPLIT_RULE",
+    "iter_text",
+    "held_out_names",
+    "DEFAULT_CACHE_DIR",
+    "EOT_TOKEN",
+    "NUM_BYTES",
+    "CHUNK_CHARS",
+    "ENCODE_CHARS",
+    "tokenizer_cache_path",
+    "train_or_load_tokenizer",
+    "separator_id",
+    "encode_documents",
+    "stream_pieces",
+    "load_tokenizer_file",
+    "PreparedData",
+    "TokenDataset",
+    "eval_batches",
+    "unigram_perplexity",
+    "prepare_data",
+    "MANIFEST_NAME",
+    "TOKENIZER_NAME",
+    "PREPARED_FORMAT",
+    "PREPARED_VERSION",
+    "DEFAULT_SAMPLE_MB",
+    "DEFAULT_SHARD_TOKENS",
+    "progress_bar",
+    "prepare_corpus",
+    "TokenShards",
+    "PreparedCorpus",
+    "is_prepared_dir",
+    "open_prepared",
+    "generate_corpus",
+]

@@ -57,7 +57,6 @@ import experiments
 from experiments.training import config as config_lib
 from experiments.planning import hlo
 from experiments.training import mesh as mesh_lib
-from experiments.training import optimizers
 from experiments.training import steps as steps_lib
 
 TARGET_DIR = pathlib.Path(__file__).resolve().parent / "gpu_targets"

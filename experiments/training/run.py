@@ -23,7 +23,6 @@ from typing import Collection
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import models
@@ -32,7 +31,6 @@ from experiments import data as data_lib
 from experiments.training import config as config_lib
 from experiments.training import mesh as mesh_lib
 from experiments.training import monitoring
-from experiments.training import optimizers
 from experiments.training import sampling
 from experiments.training import steps as steps_lib
 from experiments.training.checkpoint import Checkpointer
