@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 from tests import _xla
 
@@ -29,3 +31,9 @@ def environment(*, devices: int = 1, platforms: str | None = "cpu", **extra) -> 
     env["JAX_PLATFORMS"] = platforms
   env.update(extra)
   return env
+
+
+def run_python(args, **environment_options):
+  """``python ARGS`` in the checkout with :func:`environment`, output captured; raises if it fails."""
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=environment(**environment_options),
+                        check=True, capture_output=True, text=True)

@@ -5,8 +5,6 @@ import ast
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 from tests import _subprocess
 
@@ -130,9 +128,7 @@ def test_importing_the_commands_changes_no_environment_variable():
           "import experiments.memory, experiments.bench, experiments.gpu_check, "
           "experiments.train, experiments.parallel; "
           "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
-  env = _subprocess.environment(platforms=None)
-  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
-                       capture_output=True, text=True).stdout
+  out = _subprocess.run_python(["-c", code], platforms=None).stdout
   assert out.strip().splitlines()[-1] == "{}"
 
 
@@ -142,9 +138,7 @@ def test_commands_choose_the_cpu_quietly_without_a_gpu():
   # (installed by the gpu-compile extra) and prints its failure.
   code = ("import jax, experiments; experiments.use_cpu_without_gpu(); "
           "print(jax.default_backend())")
-  env = _subprocess.environment(platforms=None)
-  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
-                        capture_output=True, text=True)
+  done = _subprocess.run_python(["-c", code], platforms=None)
   has_gpu = os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
   if not has_gpu:
     assert done.stdout.strip() == "cpu"
@@ -152,9 +146,7 @@ def test_commands_choose_the_cpu_quietly_without_a_gpu():
 
 
 def _stderr_of(args):
-  env = _subprocess.environment(platforms=None)
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True,
-                        capture_output=True, text=True).stderr
+  return _subprocess.run_python(args, platforms=None).stderr
 
 
 def test_the_commands_start_jax_silently():
@@ -173,9 +165,7 @@ def test_importing_the_library_changes_nothing_outside_it():
           "fd2 = os.fstat(2).st_ino; import skewadam_jax; "
           "print(json.dumps([dict(os.environ) == env, jax.config.jax_platforms == platforms, "
           "os.fstat(2).st_ino == fd2, xla_bridge.backends_are_initialized()]))")
-  env = _subprocess.environment(platforms=None)
-  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
-                       capture_output=True, text=True).stdout
+  out = _subprocess.run_python(["-c", code], platforms=None).stdout
   assert json.loads(out.strip().splitlines()[-1]) == [True, True, True, False]
   assert not (ROOT / "skewadam_jax" / "startup.py").exists()
 
