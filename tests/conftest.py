@@ -12,6 +12,17 @@ from tests import _xla  # pylint: disable=wrong-import-position
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_xla.COMPILE_FLAGS}".strip()
 
+# One persistent compilation cache for this run's processes (the xdist
+# workers and every subprocess they start): many tests compile the same tiny
+# train steps in separate processes. Fresh per run, so a cached executable
+# never outlives the code that made it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile  # pylint: disable=wrong-import-position
+  _run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+      tempfile.gettempdir(), f"skewadam-tests-xla-cache-{_run}")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
 # First, so JAX starts without the CUDA plugin's start-up lines (experiments.startup).
 import experiments  # pylint: disable=wrong-import-position,unused-import
 import skewadam_jax  # pylint: disable=wrong-import-position,unused-import
@@ -74,3 +85,33 @@ def corpus(tmp_path_factory):
 def cache_dir(tmp_path_factory):
   """A tokenizer cache shared by the tests that train on `corpus`."""
   return tmp_path_factory.mktemp("tokenizers")
+
+
+# The files that take longest, scheduled first (--dist loadfile hands out
+# files in collection order): one of them started last would finish alone
+# while the other workers sit idle.
+SLOWEST_FILES = (
+    "tests/experiments/test_parallel.py",
+    "tests/experiments/test_memory.py",
+    "tests/skewadam_jax/test_transform_table.py",
+    "tests/models/test_layerwise.py",
+    "tests/experiments/test_train.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+
+  def order(item):
+    path = item.nodeid.split("::")[0]
+    return rank.get(path, len(SLOWEST_FILES))
+  items.sort(key=order)  # stable: every other file keeps its place
+
+
+def pytest_unconfigure(config):
+  # The controller (not an xdist worker) removes the run's compilation cache.
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+  if (not hasattr(config, "workerinput") and "skewadam-tests-xla-cache-" in cache
+      and os.path.isdir(cache)):
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(cache, ignore_errors=True)
