@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--param-dtype", default="bfloat16")
   parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
   # The settings that change the step, with the training command's flags.
-  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS + config_lib.MODEL_FIELDS)
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS + config_lib.MODEL_FIELDS
+                       + config_lib.MODEL_OPTIONS)
   parser.add_argument("--device-memory-gb", type=float, default=None,
                       help="check the fit against a device of this many GB (default: "
                       "the target's memory)")
@@ -162,7 +163,8 @@ def _settings(args, file_values: dict) -> dict:
   own = {"preset", "optimizer", "param_dtype", "moe_impl", "mesh", "fsdp", "batch_size",
          "seq_len", *config_lib.TIER_FIELDS, *STEP_FIELDS}
   settings = {k: v for k, v in file_values.items() if k not in own}
-  settings.update({name: getattr(args, name) for name in config_lib.MODEL_FIELDS
+  settings.update({name: getattr(args, name)
+                   for name in config_lib.MODEL_FIELDS + config_lib.MODEL_OPTIONS
                    if getattr(args, name) is not None})
   return settings
 

@@ -1,5 +1,10 @@
 """Model configuration and named presets.
 
+Each preset is a file, ``models/presets/<name>.toml``, whose ``[model]`` table
+sets every :class:`ModelConfig` field. The same file is a training
+configuration (``python -m experiments.train --config models/presets/small.toml``),
+so a new shape is a copy of one with its keys changed.
+
 Example::
 
   from models import get_preset
@@ -9,6 +14,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import tomllib
 from typing import Any
 
 import jax.numpy as jnp
@@ -111,33 +119,45 @@ class ModelConfig:
     return self.d_model // self.num_heads
 
 
-PRESETS: dict[str, ModelConfig] = {
-    # Unit tests: compiles in seconds on CPU.
-    'tiny': ModelConfig(
-        vocab_size=256, d_model=32, num_layers=2, num_heads=2,
-        num_experts=4, top_k=2, d_ff=48, max_seq_len=32, moe_impl='dense'),
-    # CPU experiments: one fwd+bwd step on a 16 x 128 batch takes ~0.25 s on
-    # 2 cores (blocked f32; 'ragged' ~0.5 s, 'dense' ~1 s, bf16 is slower).
-    'small': ModelConfig(
-        vocab_size=4096, d_model=128, num_layers=4, num_heads=4,
-        num_experts=8, top_k=2, d_ff=256, max_seq_len=128,
-        compute_dtype=jnp.float32, moe_impl='blocked', moe_block_size=128),
-    # The published 6.78B MoE: 6,775,424,000 parameters
-    # (backbone 167,822,336 + experts 6,606,028,800 + routers 1,572,864).
-    'moe-6.78b': ModelConfig(
-        vocab_size=32768, d_model=1024, num_layers=24, num_heads=16,
-        num_experts=64, top_k=8, d_ff=1400, max_seq_len=2048,
-        moe_impl='blocked', moe_block_size=256),
-    # Mixtral-8x7B-shaped (full multi-head attention, no grouped-query heads):
-    # 47,508,099,072 parameters (backbone 2,409,893,888 + experts
-    # 45,097,156,608 + routers 1,048,576), 13,685,231,616 used per token (top-2
-    # of 8); bf16 compute, blocked MoE and per-layer remat as moe-6.78b. Planned on
-    # eight 40 GB GPUs by the memory planner (README, Scaling out).
-    'moe-47b': ModelConfig(
-        vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
-        num_experts=8, top_k=2, d_ff=14336, max_seq_len=2048,
-        moe_impl='blocked', moe_block_size=256),
-}
+PRESETS_DIR = pathlib.Path(__file__).resolve().parent / 'presets'
+
+
+def load_preset_file(path: str | os.PathLike) -> ModelConfig:
+  """The :class:`ModelConfig` of a preset file: its ``[model]`` table, every key a field.
+
+  A preset file is also a training configuration file (the ``[model]``
+  table of ``experiments.training.config.load_config_file``), so copying one
+  and changing a key is how to describe a new shape.
+
+  Raises:
+    ValueError: naming the file, for a missing ``[model]`` table or a key
+      that is not a :class:`ModelConfig` field.
+
+  Example:
+    >>> load_preset_file(PRESETS_DIR / 'tiny.toml').d_model
+    32
+  """
+  path = pathlib.Path(path)
+  with open(path, 'rb') as f:
+    table = tomllib.load(f).get('model')
+  if not isinstance(table, dict):
+    raise ValueError(f'{path}: no [model] table')
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(table) - fields)
+  if unknown:
+    raise ValueError(f'{path}: unknown [model] keys {unknown}; the fields are {sorted(fields)}')
+  return ModelConfig(**table)
+
+
+def _expert_bank_size(config: ModelConfig) -> int:
+  return config.num_layers * config.num_experts * config.d_model * config.d_ff
+
+
+# The named presets, one file each in models/presets/ (the file's stem is the
+# name), smallest first (the order ``--help`` lists them in).
+PRESETS: dict[str, ModelConfig] = dict(sorted(
+    ((path.stem, load_preset_file(path)) for path in PRESETS_DIR.glob('*.toml')),
+    key=lambda item: _expert_bank_size(item[1])))
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:

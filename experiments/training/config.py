@@ -119,6 +119,29 @@ class TrainConfig:
                              structural=True, kind=int)
   max_seq_len: int | None = setting(None, "longest sequence the model takes (default: the "
                                     "preset's)", structural=True, kind=int)
+  compute_dtype: str | None = setting(None, "dtype of activations and matmul inputs "
+                                      "(default: the preset's)", structural=True,
+                                      choices=PARAM_DTYPES, kind=str)
+  moe_block_size: int | None = setting(None, "rows per block of the blocked and "
+                                       "expert-parallel MoE (default: the preset's)",
+                                       structural=True, kind=int)
+  remat: bool | None = setting(None, "rematerialise each layer in the backward pass "
+                               "(--no-remat: keep its activations; default: the preset's)",
+                               structural=True, kind=bool)
+  loss_chunk_size: int | None = setting(None, "tokens per chunk of the cross-entropy's "
+                                        "logits (0: all at once; default: the preset's)",
+                                        structural=True, kind=int)
+  rope_theta: float | None = setting(None, "RoPE base frequency (default: the preset's)",
+                                     structural=True, kind=float)
+  norm_eps: float | None = setting(None, "RMSNorm epsilon (default: the preset's)",
+                                   structural=True, kind=float)
+  lb_loss_coef: float | None = setting(None, "weight of the load-balancing loss (default: "
+                                       "the preset's)", structural=True, kind=float)
+  z_loss_coef: float | None = setting(None, "weight of the router z-loss (default: the "
+                                      "preset's)", structural=True, kind=float)
+  attention_impl: str | None = setting(None, "jax.nn.dot_product_attention's implementation "
+                                       "(default: the preset's, else JAX chooses)",
+                                       structural=True, choices=("xla", "cudnn"), kind=str)
   expert_momentum: str | None = setting(
       None, "SkewAdam expert-tier momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
@@ -162,7 +185,7 @@ class TrainConfig:
     overrides = {"moe_impl": self.moe_impl} if self.moe_impl else {}
     if self.param_dtype:
       overrides["param_dtype"] = self.param_dtype
-    for name in MODEL_FIELDS:
+    for name in MODEL_FIELDS + MODEL_OPTIONS:
       if getattr(self, name) is not None:
         overrides[name] = getattr(self, name)
     return models.get_preset(self.preset, **overrides)
@@ -197,6 +220,19 @@ class TrainConfig:
       if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                 or value < 1):
         raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if self.compute_dtype not in (None, *PARAM_DTYPES):
+      raise ValueError(f"--compute-dtype must be one of {', '.join(PARAM_DTYPES)}, "
+                       f"got {self.compute_dtype!r}")
+    if self.attention_impl not in (None, "xla", "cudnn"):
+      raise ValueError(f"--attention-impl must be xla or cudnn, got {self.attention_impl!r}")
+    for name in ("rope_theta", "norm_eps"):
+      value = getattr(self, name)
+      if value is not None and not 0 < value < math.inf:
+        raise ValueError(f"--{name.replace('_', '-')} must be > 0 and finite, got {value}")
+    for name in ("lb_loss_coef", "z_loss_coef"):
+      value = getattr(self, name)
+      if value is not None and not 0 <= value < math.inf:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
     self.model_config()  # unknown preset / moe_impl, a shape the model refuses
     if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
       raise ValueError("--stochastic-rounding needs bfloat16 parameters "
@@ -301,6 +337,12 @@ def resume_check(config: dict, data_fingerprint: str | None = None):
 MODEL_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_experts", "top_k",
                 "d_ff", "max_seq_len")
 
+# The model's other settings on top of its preset (TrainConfig.model_config):
+# with MODEL_FIELDS, moe_impl and param_dtype, every models.ModelConfig field,
+# so a preset file (models/presets/) is a configuration file too.
+MODEL_OPTIONS = ("compute_dtype", "moe_block_size", "remat", "loss_chunk_size", "rope_theta",
+                 "norm_eps", "lb_loss_coef", "z_loss_coef", "attention_impl")
+
 # The fields that choose SkewAdam's tiers (TrainConfig.skewadam_tiers).
 TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction")
@@ -330,7 +372,10 @@ def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
     if meta["structural"] and fields is None:
       extra.append("fixed on --resume")
     help_text = meta["help"] + "".join(f"; {e}" for e in extra if e)
-    if meta["kind"] is bool:
+    if meta["kind"] is bool and field.default is None:  # unset: the preset decides
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                          help=help_text)
+    elif meta["kind"] is bool:
       parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
     else:
       metavar = "{" + ",".join(map(str, meta["choices"])) + "}" if meta["choices"] else None
@@ -377,7 +422,7 @@ def tiers_from_args(args) -> dict:
 # Where each field goes in a configuration file: every field in one section,
 # spelled as its flag is (``num_layers`` for ``--num-layers``).
 SECTIONS = {
-    "model": ("preset", *MODEL_FIELDS, "moe_impl", "param_dtype"),
+    "model": ("preset", *MODEL_FIELDS, "moe_impl", "param_dtype", *MODEL_OPTIONS),
     "optimizer": ("optimizer", "lr", "schedule", "warmup_steps", "decay_fraction",
                   "weight_decay", "b1", "clip_norm", "stochastic_rounding", "skip_nonfinite",
                   *TIER_FIELDS),

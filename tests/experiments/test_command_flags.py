@@ -52,3 +52,50 @@ def test_the_planner_keeps_its_old_spellings_as_aliases():
   from experiments import memory  # pylint: disable=import-outside-toplevel
   args = memory.build_parser().parse_args(["--batch", "4", "--seq", "128"])
   assert (args.batch_size, args.seq_len) == (4, 128)
+
+
+def documented_commands():
+  """Each ``python -m experiments.X ...`` line of the README's and the docs' bash blocks."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  import shlex  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).resolve().parents[2]
+  pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+  found = []
+  for page in pages:
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+      block = block.replace("\\\n", " ")
+      # The block's own variables (COMMON="..."), expanded as the shell would;
+      # a loop's variable ($i) reads as 0.
+      variables = dict(re.findall(r"^\s*(\w+)=\"([^\"]*)\"", block, flags=re.M))
+      for line in block.splitlines():
+        match = re.search(r"python -m experiments\.(\w+)(.*)", line)
+        if not match:
+          continue
+        text = re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), "0"),
+                      match.group(2))
+        words = shlex.split(text, comments=True)
+        for end in ("&&", "||", ";", "&", "|", ">", ">>", "2>"):
+          words = words[:words.index(end)] if end in words else words
+        module = "data.__main__" if match.group(1) == "data" else match.group(1)
+        found.append(pytest.param(module, words,
+                                  id=f"{page.name}: {match.group(1)} {' '.join(words)}"[:90]))
+  return found
+
+
+@pytest.mark.parametrize("command, words", documented_commands())
+def test_every_documented_command_line_parses(command, words):
+  """A command the README or the docs show, followed literally, is accepted by its parser."""
+  parser = importlib.import_module(f"experiments.{command}").build_parser()
+  if not any("--config" in a.option_strings for a in parser._actions):  # pylint: disable=protected-access
+    parser.add_argument("--config")  # as parse_with_config_file adds it
+  try:
+    parser.parse_args(words)
+  except SystemExit as exit_:
+    if exit_.code:
+      raise AssertionError(f"python -m experiments.{command} {' '.join(words)}: "
+                           "its parser refuses it") from None
+
+
+def test_the_docs_show_commands():
+  assert len(documented_commands()) >= 20

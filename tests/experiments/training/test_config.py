@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+import models
+
 from experiments.training import config as config_lib
 from experiments import memory
 from experiments.planning import planner
@@ -123,3 +125,39 @@ def test_the_shipped_example_file_is_a_valid_configuration():
   config.validate()
   assert config.model_config().num_experts == 16 and config.skewadam_tiers() == {
       "expert": {"momentum": "sign"}}
+
+
+@pytest.mark.parametrize("name", sorted(models.PRESETS))
+def test_every_preset_is_a_shipped_configuration_file(name):
+  # The file alone (no `preset` key) gives the preset field for field, whatever
+  # TrainConfig's default preset is: every ModelConfig field is a [model] key.
+  path = models.PRESETS_DIR / f"{name}.toml"
+  values = config_lib.load_config_file(path)
+  assert "preset" not in values
+  for base in models.PRESETS:
+    assert config_lib.TrainConfig(preset=base, **values).model_config() == models.PRESETS[name]
+  spelled = set(values) | {"attention_impl"}  # None (JAX chooses) has no TOML spelling
+  assert spelled == {f.name for f in dataclasses.fields(models.ModelConfig)}
+
+
+def test_every_model_setting_has_a_flag_and_a_key():
+  fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
+  assert set(config_lib.SECTIONS["model"]) - {"preset"} == fields
+  config, _ = train_lib.parse_args(["--preset", "tiny", "--no-remat", "--loss-chunk-size", "8",
+                                    "--compute-dtype", "float32", "--z-loss-coef", "0"])
+  model = config.model_config()
+  assert (model.remat, model.loss_chunk_size, model.compute_dtype.name, model.z_loss_coef) == (
+      False, 8, "float32", 0.0)
+  assert train_lib.parse_args(["--preset", "tiny"])[0].model_config() == models.PRESETS["tiny"]
+  with pytest.raises(ValueError, match="--norm-eps must be > 0"):
+    config_lib.TrainConfig(preset="tiny", norm_eps=0.0).validate()
+
+
+def test_a_preset_file_names_its_bad_key(tmp_path):
+  path = tmp_path / "bad.toml"
+  path.write_text("[model]\nvocab_size = 8\nwidth = 4\n")
+  with pytest.raises(ValueError, match=r"bad.toml: unknown \[model\] keys \['width'\]"):
+    models.load_preset_file(path)
+  path.write_text("[run]\nsteps = 1\n")
+  with pytest.raises(ValueError, match="no \\[model\\] table"):
+    models.load_preset_file(path)
