@@ -34,9 +34,11 @@ instead prepared once, streamed, into a folder of token shards::
     python -m experiments.data prepare --data PATH --out DIR [--vocab-size 4096]
     python -m experiments.train --data DIR ...
 
-:func:`prepare_corpus` reads the files in blocks (:func:`iter_text`), decides
-each file's side by the hash of its name (:data:`SPLIT_RULE`; each file is one
-document, a one-file corpus is cut at a line start), trains the tokenizer on
+:func:`prepare_corpus` reads the files in blocks (:func:`iter_text`), holds
+out the same documents :func:`split_documents` holds out in memory (one rule,
+:data:`SPLIT_RULE`: :func:`held_out_names` of several documents,
+:func:`cut_point` of one; a file of at most :data:`WHOLE_FILE_BYTES` is read
+whole to find its works), trains the tokenizer on
 the first ``--tokenizer-sample-mb`` million characters of training text (or
 reuses a cached or given one), encodes in pieces cut at pre-tokenizer
 boundaries (the same ids as encoding each document whole) and appends them to
@@ -72,6 +74,10 @@ from experiments.data.corpus import (
     SPLIT_RULE,
     iter_text,
     held_out_names,
+    cut_point,
+    file_documents,
+    unique_names,
+    WHOLE_FILE_BYTES,
 )
 from experiments.data.tokenizer import (
     DEFAULT_CACHE_DIR,
@@ -125,6 +131,10 @@ __all__ = [
     "SPLIT_RULE",
     "iter_text",
     "held_out_names",
+    "cut_point",
+    "file_documents",
+    "unique_names",
+    "WHOLE_FILE_BYTES",
     "DEFAULT_CACHE_DIR",
     "EOT_TOKEN",
     "NUM_BYTES",

@@ -9,7 +9,7 @@ import lzma
 import os
 import pathlib
 import re
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 
 
@@ -89,8 +89,8 @@ def load_corpus(path: str | os.PathLike | None = None) -> list[Document]:
     text = read_text(path)
     if not text.strip():
       raise DataError(f"{path}: corpus is empty (no text)")
-    docs = split_works(text, name=path.name)
-  return _unique_names(docs)
+    docs = file_documents(text, path.name, path.stat().st_size)
+  return unique_names(docs)
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -189,14 +189,26 @@ def _load_folder(folder: pathlib.Path) -> list[Document]:
   for file in files:
     text = read_text(file)
     if text.strip():
-      docs += split_works(text, name=file.relative_to(folder).as_posix())
+      docs += file_documents(text, file.relative_to(folder).as_posix(), file.stat().st_size)
   if not docs:
     raise DataError(f"{folder}: folder contains no text files "
                     f"({len(files)} non-hidden files, none with text)")
   return docs
 
 
-def _unique_names(docs: list[Document]) -> list[Document]:
+# A file up to this size on disk is read whole and split into its works
+# (split_works); a larger one is one document, so that a corpus of any size
+# can be streamed. The same rule in memory (load_corpus) and when prepared.
+WHOLE_FILE_BYTES = 64 << 20
+
+
+def file_documents(text: str, name: str, size: int) -> list[Document]:
+  """One file's documents: its works if it is at most :data:`WHOLE_FILE_BYTES`
+  on disk, else the whole file as one document named ``name``."""
+  return split_works(text, name=name) if size <= WHOLE_FILE_BYTES else [Document(name, text)]
+
+
+def unique_names(docs: list[Document]) -> list[Document]:
   """Suffixes repeated names with ``#2``, ``#3``... so names are keys."""
   seen: dict[str, int] = {}
   out = []
@@ -216,21 +228,11 @@ def split_documents(
 ) -> tuple[list[Document], list[Document]]:
   """Deterministic held-out split of whole documents.
 
-  Rule (several documents): order the documents by the SHA-256 hex digest
-  of their names (a fixed pseudo-random order, independent of their order
-  in the corpus) and hold out the shortest prefix of that order whose
-  character count is closest to ``val_fraction * total characters``: take
-  documents one by one while the next one brings the count closer to the
-  target (its first half still fits under it), and stop at the first that
-  does not. If even the first one overshoots that much, the single document
-  whose length is closest to the target is held out instead. At least one
-  document stays on each side. The split depends only on the names, the
-  lengths and ``val_fraction``.
-
-  Rule (one document): the text is cut at the paragraph boundary (a blank
-  line) nearest to the ``1 - val_fraction`` point; if there is none, at the
-  nearest line end, else the nearest space, else exactly at that point. The
-  parts are named ``"<name> (train part)"`` and ``"<name> (val part)"``.
+  The rule is :data:`SPLIT_RULE`, the one a prepared corpus is split by
+  (:func:`held_out_names` for several documents, :func:`cut_point` for one):
+  the same corpus has the same held-out documents in memory and prepared.
+  The parts of a single document are named ``"<name> (train part)"`` and
+  ``"<name> (val part)"``.
 
   Args:
     docs: The documents (names must be unique).
@@ -252,7 +254,7 @@ def split_documents(
     raise ValueError("split_documents: document names must be unique")
   if len(docs) == 1:
     return _split_single(docs[0], val_fraction)
-  val_names = _choose_val_names(docs, val_fraction)
+  val_names = held_out_names([(d.name, len(d.text)) for d in docs], val_fraction)
   train = [d for d in docs if d.name not in val_names]
   val = [d for d in docs if d.name in val_names]
   return train, val
@@ -262,53 +264,83 @@ def _name_hash(name: str) -> str:
   return hashlib.sha256(name.encode("utf-8")).hexdigest()
 
 
-def _choose_val_names(docs: Sequence[Document], val_fraction: float) -> set:
-  total = sum(len(d.text) for d in docs)
-  target = val_fraction * total
-  ordered = sorted(docs, key=lambda d: _name_hash(d.name))
+def held_out_names(lengths: Sequence[tuple[str, int]], val_fraction: float) -> set:
+  """The documents held out of several (:data:`SPLIT_RULE`), in memory and prepared.
+
+  Args:
+    lengths: ``(name, characters)`` of each document (names unique, at
+      least two documents).
+    val_fraction: Target fraction of characters held out, in (0, 1).
+
+  Returns:
+    The held-out names.
+
+  Example:
+    >>> held_out_names([("a", 900), ("b", 60), ("c", 40)], 0.1)
+    {'b'}
+  """
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+  lengths = list(lengths)
+  target = val_fraction * sum(n for _, n in lengths)
+  ordered = sorted(lengths, key=lambda item: _name_hash(item[0]))
   chosen, val_chars = set(), 0
-  for doc in ordered[:-1]:
-    if val_chars + len(doc.text) / 2 > target:
+  for name, chars in ordered[:-1]:
+    if val_chars + chars / 2 > target:
       break
-    chosen.add(doc.name)
-    val_chars += len(doc.text)
+    chosen.add(name)
+    val_chars += chars
   if not chosen:  # The first one overshoots: take the closest to target.
-    best = min(ordered, key=lambda d: abs(len(d.text) - target))
-    chosen.add(best.name)
+    chosen.add(min(ordered, key=lambda item: abs(item[1] - target))[0])
   return chosen
 
 
-def _split_single(doc: Document, val_fraction: float):
-  text = doc.text
-  target = round((1.0 - val_fraction) * len(text))
-  first = len(text) - len(text.lstrip())  # Index of the first non-space.
-  last = len(text.rstrip())  # One past the last non-space.
-  cut = None
-  for pattern in (r"\n[ \t]*\n\s*", r"\n", r" +"):
-    ends = [m.end() for m in re.finditer(pattern, text)
-            if first < m.end() < last]
-    if ends:
-      cut = min(ends, key=lambda e: abs(e - target))
-      break
-  if cut is None:
-    cut = target
-  if not text[:cut].strip() or not text[cut:].strip():
-    raise DataError(
-        f"{doc.name}: the only document is too short to split for validation")
-  return ([Document(f"{doc.name} (train part)", text[:cut])],
-          [Document(f"{doc.name} (val part)", text[cut:])])
+def cut_point(texts: Iterable[str], total: int, val_fraction: float) -> int | None:
+  """Where a single document is cut (:data:`SPLIT_RULE`): the first line start at
+  or after its ``(1 − val_fraction)`` character point, or ``None`` if there is none.
 
+  Args:
+    texts: The document's text in pieces (streamed, or ``[text]``).
+    total: Its length in characters.
+    val_fraction: Target fraction held out, in (0, 1).
+
+  Example:
+    >>> cut_point(["ab\ncd\nef\n"], 9, 0.5)
+    6
+  """
+  target, seen = round((1.0 - val_fraction) * total), 0
+  for text in texts:
+    if seen + len(text) >= target:
+      newline = text.find("\n", max(target - 1 - seen, 0))
+      if newline >= 0:
+        cut = seen + newline + 1
+        return cut if cut < total else None
+    seen += len(text)
+  return None
+
+
+def _split_single(doc: Document, val_fraction: float):
+  cut = cut_point([doc.text], len(doc.text), val_fraction)
+  if cut is None or not doc.text[:cut].strip() or not doc.text[cut:].strip():
+    raise DataError(
+        f"{doc.name}: the only document is too short to split for validation (it needs "
+        f"a line break after its {1 - val_fraction:.0%} point, with text on both sides)")
+  return ([Document(f"{doc.name} (train part)", doc.text[:cut])],
+          [Document(f"{doc.name} (val part)", doc.text[cut:])])
 
 
 READ_BYTES = 1 << 22  # Bytes read from a file at a time.
 SPLIT_RULE = (
-    "documents are files (relative paths, in sorted order); a document is "
-    "held out for validation when the first 8 bytes of the SHA-256 of its "
-    "name, read as a big-endian integer and divided by 2**64, are below "
-    "val_fraction (at least one document stays on each side: the lowest "
-    "value is held out if none is, the highest kept if all are); a corpus of "
-    "one file is cut at the first line start at or after the (1 - "
-    "val_fraction) character point, the rest held out")
+    "documents are files (relative paths, in sorted order; blank files skipped), "
+    "except that a file of at most 64 MiB on disk in the Shakespeare layout is "
+    "split into its works (named by their titles; repeated names get ' #2', ...); "
+    "the documents are ordered by the SHA-256 hex digest of their names and the "
+    "longest prefix of that order is held out whose next document would not bring "
+    "the held-out characters closer to val_fraction of all (at least one "
+    "document on each side; if even the first overshoots, the document whose "
+    "length is closest to that target); a corpus of one document is cut at the "
+    "first line start at or after the (1 - val_fraction) character point, the "
+    "rest held out")
 
 
 
@@ -376,31 +408,3 @@ def iter_text(path: str | os.PathLike, read_bytes: int = READ_BYTES,
 
 
 
-def _hash_unit(name: str) -> float:
-  """A document name's fixed pseudo-random value in [0, 1)."""
-  digest = hashlib.sha256(name.encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def held_out_names(names: Sequence[str], val_fraction: float) -> set:
-  """The documents a prepared corpus holds out (see :data:`SPLIT_RULE`).
-
-  Each document is decided by its own name, so the split of a streamed
-  corpus needs no pass over its text and a document keeps its side when
-  others are added or removed (except for the at-least-one-each-side rule).
-
-  Args:
-    names: The document names (at least two, unique).
-    val_fraction: Target fraction held out, in (0, 1).
-
-  Returns:
-    The held-out names.
-  """
-  if not 0.0 < val_fraction < 1.0:
-    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-  held = {n for n in names if _hash_unit(n) < val_fraction}
-  if not held:
-    held = {min(names, key=_hash_unit)}
-  elif len(held) == len(names):
-    held.remove(max(names, key=_hash_unit))
-  return held

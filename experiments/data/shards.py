@@ -16,7 +16,8 @@ import numpy as np
 
 from experiments.training.metrics_log import write_atomically
 from experiments.data.corpus import DEFAULT_CORPUS, READ_BYTES, SPLIT_RULE, DataError, Document
-from experiments.data.corpus import folder_files, held_out_names, iter_text
+from experiments.data.corpus import WHOLE_FILE_BYTES, cut_point, file_documents, folder_files
+from experiments.data.corpus import held_out_names, iter_text, read_text, unique_names
 from experiments.data.tokenizer import CHUNK_CHARS, ENCODE_CHARS, load_tokenizer_file, separator_id
 from experiments.data.tokenizer import stream_pieces, tokenizer_cache_path, train_or_load_tokenizer
 
@@ -142,52 +143,89 @@ class _Part:
   name: str
   file: pathlib.Path
   held_out: bool
-  chars: tuple[int, int] | None = None  # [start, end) characters; None: all.
+  chars: tuple[int, int]  # [start, end) characters of the file's text
+  whole: bool  # the file is read whole (WHOLE_FILE_BYTES), else streamed
+
+
+class _WholeFiles:
+  """The text of the file last read whole: a pass meets a file's parts one after another."""
+
+  def __init__(self, on_bytes=None):
+    self.file, self.text, self.on_bytes = None, "", on_bytes
+
+  def text_of(self, file: pathlib.Path) -> str:
+    if file != self.file:
+      self.file, self.text = file, read_text(file)
+      if self.on_bytes is not None:
+        self.on_bytes(file.stat().st_size)
+    return self.text
 
 
 def _corpus_parts(path: pathlib.Path, val_fraction: float, read_bytes: int,
                   progress: bool) -> list[_Part]:
-  """The documents of a streamed corpus and their sides (:data:`SPLIT_RULE`)."""
+  """The documents of a streamed corpus and their sides (:data:`SPLIT_RULE`).
+
+  The documents are :func:`~experiments.data.corpus.load_corpus` 's, found in
+  one counting pass (a file up to ``WHOLE_FILE_BYTES`` read whole, a larger
+  one streamed), and split by the rule :func:`split_documents` applies in
+  memory.
+  """
   if not path.exists():
     raise DataError(f"{path}: corpus path does not exist")
-  if path.is_dir():
-    files = folder_files(path)
-    if not files:
-      raise DataError(f"{path}: folder contains no files")
-    names = [f.relative_to(path).as_posix() for f in files]
-    if len(files) > 1:
-      held = held_out_names(names, val_fraction)
-      return [_Part(n, f, n in held) for n, f in zip(names, files)]
-    path = files[0]
-  # One file: count its characters (a streamed pass), cut at a line start.
-  bar = progress_bar(progress, path.stat().st_size, "count")
-  total = sum(len(t) for t in iter_text(path, read_bytes, bar.update))
+  files = folder_files(path) if path.is_dir() else [path]
+  if path.is_dir() and not files:
+    raise DataError(f"{path}: folder contains no files")
+  bar = progress_bar(progress, sum(f.stat().st_size for f in files), "count")
+  parts = []
+  for file in files:
+    name = file.relative_to(path).as_posix() if path.is_dir() else file.name
+    size = file.stat().st_size
+    if size <= WHOLE_FILE_BYTES:
+      text = read_text(file)
+      bar.update(size)
+      if not text.strip():
+        continue
+      start = 0
+      for doc in file_documents(text, name, size):
+        parts.append(_Part(doc.name, file, False, (start, start + len(doc.text)), True))
+        start += len(doc.text)
+    else:
+      total, blank = 0, True
+      for text in iter_text(file, read_bytes, bar.update):
+        total += len(text)
+        blank = blank and not text.strip()
+      if not blank:
+        parts.append(_Part(name, file, False, (0, total), False))
   bar.close()
-  target, seen, cut = round((1.0 - val_fraction) * total), 0, None
-  for text in iter_text(path, read_bytes):
-    if seen + len(text) >= target:
-      newline = text.find("\n", max(target - 1 - seen, 0))
-      if newline >= 0:
-        cut = seen + newline + 1
-        break
-    seen += len(text)
-  if cut is None or cut >= total:
-    raise DataError(f"{path}: the only file has no line break after its "
-                    f"{1 - val_fraction:.0%} point to cut validation at")
-  name = path.name
-  return [_Part(f"{name} (train part)", path, False, (0, cut)),
-          _Part(f"{name} (val part)", path, True, (cut, total))]
-
-
-def _part_text(part: _Part, read_bytes: int, on_bytes=None) -> Iterator[str]:
-  """The text of one document, streamed."""
-  texts = iter_text(part.file, read_bytes, on_bytes)
-  if part.chars is None:
-    yield from texts
-    return
+  if not parts:
+    raise DataError(f"{path}: folder contains no text files ({len(files)} non-hidden "
+                    "files, none with text)" if path.is_dir() else
+                    f"{path}: corpus is empty (no text)")
+  names = unique_names([Document(p.name, "") for p in parts])
+  parts = [dataclasses.replace(p, name=d.name) for p, d in zip(parts, names)]
+  if len(parts) > 1:
+    held = held_out_names([(p.name, p.chars[1] - p.chars[0]) for p in parts], val_fraction)
+    return [dataclasses.replace(p, held_out=p.name in held) for p in parts]
+  (part,) = parts
   start, end = part.chars
+  cut = cut_point(_part_text(part, read_bytes, whole=_WholeFiles()), end - start, val_fraction)
+  if cut is None:
+    raise DataError(f"{path}: the only document has no line break after its "
+                    f"{1 - val_fraction:.0%} point to cut validation at")
+  return [dataclasses.replace(part, name=f"{part.name} (train part)", chars=(start, start + cut)),
+          dataclasses.replace(part, name=f"{part.name} (val part)", held_out=True,
+                              chars=(start + cut, end))]
+
+
+def _part_text(part: _Part, read_bytes: int, on_bytes=None, *,
+               whole: _WholeFiles) -> Iterator[str]:
+  """The text of one document, streamed (``whole`` holds the file last read whole)."""
+  start, end = part.chars
+  if part.whole:
+    yield whole.text_of(part.file)[start:end]
+    return
   seen = 0
-  for text in texts:
+  for text in iter_text(part.file, read_bytes, on_bytes):
     lo, hi = max(start - seen, 0), min(end - seen, len(text))
     if lo < hi:
       yield text[lo:hi]
@@ -195,9 +233,9 @@ def _part_text(part: _Part, read_bytes: int, on_bytes=None) -> Iterator[str]:
 
 
 def _document_pieces(part: _Part, read_bytes: int, piece_chars: int,
-                     on_bytes=None) -> Iterator[str]:
+                     on_bytes=None, *, whole: _WholeFiles) -> Iterator[str]:
   """A document's pieces (:func:`stream_pieces`); none if it is blank."""
-  texts = _part_text(part, read_bytes, on_bytes)
+  texts = _part_text(part, read_bytes, on_bytes, whole=whole)
   # Whitespace before the first text is kept but a blank document dropped,
   # as load_corpus skips blank files.
   blank = []
@@ -215,14 +253,14 @@ def _tokenizer_sample(parts: Sequence[_Part], sample_chars: int,
   Whole pieces (cut as for encoding), so the sample ends at a pre-tokenizer
   boundary; one :class:`Document` per training document sampled.
   """
-  docs, left = [], sample_chars
+  docs, left, whole = [], sample_chars, _WholeFiles()
   for part in parts:
     if left <= 0:
       break
     if part.held_out:
       continue
     pieces = []
-    for piece in _document_pieces(part, read_bytes, piece_chars):
+    for piece in _document_pieces(part, read_bytes, piece_chars, whole=whole):
       pieces.append(piece)
       left -= len(piece)
       if left <= 0:
@@ -339,13 +377,13 @@ def prepare_corpus(
   chars = {"train": 0, "val": 0}
   docs = {"train": 0, "val": 0}
   val_names = []
-  files = {p.file for p in parts}
-  bar = progress_bar(progress, sum(
-      p.file.stat().st_size for p in parts), "encode")
+  files = folder_files(source) if source.is_dir() else [source]  # blank ones too
+  bar = progress_bar(progress, sum(f.stat().st_size for f in {p.file for p in parts}), "encode")
+  whole = _WholeFiles(bar.update)
   for part in parts:
     side = "val" if part.held_out else "train"
     first = True
-    for piece in _document_pieces(part, read_bytes, piece_chars, bar.update):
+    for piece in _document_pieces(part, read_bytes, piece_chars, bar.update, whole=whole):
       encoder.add(writers[side], piece, starts_document=first)
       chars[side] += len(piece)
       first = False

@@ -244,18 +244,19 @@ def test_split_degenerate_two_documents():
   assert len(train) == 1 and len(val) == 1
 
 
-def test_split_single_document_at_paragraph():
+def test_split_single_document_at_the_first_line_start_after_its_point():
   text = _lorem(3000, seed=7)
   train, val = data.split_documents([data.Document("one", text)], 0.1)
   assert [d.name for d in train + val] == ["one (train part)", "one (val part)"]
   assert train[0].text + val[0].text == text
-  assert train[0].text.endswith("\n\n") and not val[0].text[0].isspace()
-  assert abs(len(val[0].text) / len(text) - 0.1) < 0.03
+  cut = len(train[0].text)
+  point = round(0.9 * len(text))
+  assert text[cut - 1] == "\n" and cut >= point and "\n" not in text[point - 1:cut - 1]
 
 
 def test_split_single_line_document_and_errors():
-  train, val = data.split_documents([data.Document("l", "ab " * 50)], 0.5)
-  assert train[0].text.endswith(" ") and val[0].text.startswith("ab")
+  with pytest.raises(data.DataError, match="needs a line break after its 50% point"):
+    data.split_documents([data.Document("l", "ab " * 50)], 0.5)
   with pytest.raises(data.DataError, match="too short"):
     data.split_documents([data.Document("x", "x")], 0.1)
   with pytest.raises(ValueError, match="val_fraction"):

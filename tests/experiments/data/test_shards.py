@@ -75,9 +75,8 @@ def test_shards_hold_exactly_the_in_memory_encoding(corpus, prepared):
   tokenizer = opened.tokenizer
   docs = data.load_corpus(corpus)  # Each file is one document here too.
   val_names = set(manifest["split"]["val_names"])
-  # The blank file is decided like any other (held out, here), then skipped.
-  held = data.held_out_names([d.name for d in docs] + ["extra/blank.txt"], 0.1)
-  assert val_names == held - {"extra/blank.txt"}
+  # The in-memory rule, on the same documents (the blank file skipped by both).
+  assert val_names == {d.name for d in data.split_documents(docs, 0.1)[1]}
   train = data.encode_documents(tokenizer, [d for d in docs if d.name not in val_names])
   val = data.encode_documents(tokenizer, [d for d in docs if d.name in val_names])
   np.testing.assert_array_equal(opened.train_tokens[:], train)
@@ -164,13 +163,64 @@ def test_one_file_corpus_is_cut_at_a_line_start(tmp_path):
   np.testing.assert_array_equal(opened.val_tokens[:], expected)
 
 
-def test_held_out_names_decide_each_document_alone():
-  names = [f"doc-{i}" for i in range(4000)]
-  held = data.held_out_names(names, 0.1)
-  assert 0.08 < len(held) / len(names) < 0.12
-  first = set(names[:2000])
-  assert data.held_out_names(names[:2000], 0.1) == held & first
-  for pair in (["a", "b"], ["x", "y"]):
+@pytest.mark.parametrize("layout", ["works", "works-in-a-folder", "one-document"])
+def test_prepared_and_in_memory_hold_out_the_same_text(tmp_path, layout):
+  """One rule: a corpus prepared holds out exactly the text load_corpus + split_documents do."""
+  bundled = data.read_text(data.DEFAULT_CORPUS)[:400_000]  # the first works
+  if layout == "works":
+    source = tmp_path / "plays.txt"
+    source.write_text(bundled)
+  elif layout == "works-in-a-folder":  # titles repeat across the files: ' #2' names
+    source = tmp_path / "folder"
+    (source / "b").mkdir(parents=True)
+    (source / "a.txt").write_text(bundled[:250_000])
+    (source / "b" / "c.txt").write_text(bundled)
+    (source / "b" / "blank.txt").write_text("\n  \n")
+  else:
+    source = tmp_path / "only.txt"
+    source.write_text("".join(f"line {i} of the only file\n" for i in range(3000)))
+  docs = data.load_corpus(source)
+  train, val = data.split_documents(docs, 0.1)
+  manifest = data.prepare_corpus(source, tmp_path / "out", vocab_size=256,
+                                 cache_dir=tmp_path / "tok", **SMALL)
+  assert manifest["split"]["val_names"] == [d.name for d in val]
+  assert manifest["split"]["num_train_docs"] == len(train)
+  assert manifest["split"]["val_chars"] == sum(len(d.text) for d in val)
+  if layout != "one-document":
+    assert len(docs) >= 3 and manifest["split"]["num_val_docs"] >= 1
+  opened = data.open_prepared(tmp_path / "out")
+  np.testing.assert_array_equal(opened.val_tokens[:],
+                                data.encode_documents(opened.tokenizer, val))
+  np.testing.assert_array_equal(opened.train_tokens[:],
+                                data.encode_documents(opened.tokenizer, train))
+
+
+def test_a_file_too_large_to_read_whole_is_one_document(tmp_path, monkeypatch):
+  text = data.read_text(data.DEFAULT_CORPUS)[:200_000]
+  (tmp_path / "c").mkdir()
+  for name in ("x.txt", "y.txt"):
+    (tmp_path / "c" / name).write_text(text)
+  assert len(data.load_corpus(tmp_path / "c")) > 2  # read whole: split into works
+  for module in (data.corpus, data.shards):
+    monkeypatch.setattr(module, "WHOLE_FILE_BYTES", 1000)
+  assert [d.name for d in data.load_corpus(tmp_path / "c")] == ["x.txt", "y.txt"]
+  manifest = data.prepare_corpus(tmp_path / "c", tmp_path / "out", vocab_size=256,
+                                 cache_dir=tmp_path / "tok", **SMALL)
+  assert manifest["split"]["num_train_docs"] + manifest["split"]["num_val_docs"] == 2
+
+
+def test_held_out_names_take_the_hash_ordered_prefix_nearest_the_target():
+  lengths = [(f"doc-{i}", 100 + i % 7) for i in range(400)]
+  held = data.held_out_names(lengths, 0.1)
+  total = sum(n for _, n in lengths)
+  held_chars = sum(n for name, n in lengths if name in held)
+  assert abs(held_chars - 0.1 * total) <= 110 / 2
+  # A prefix of the hash order, independent of the input order.
+  ordered = sorted(name for name, _ in lengths)
+  ordered.sort(key=lambda n: __import__("hashlib").sha256(n.encode()).hexdigest())
+  assert held == set(ordered[:len(held)])
+  assert data.held_out_names(lengths[::-1], 0.1) == held
+  for pair in ([("a", 5), ("b", 5)], [("x", 1), ("y", 100)]):
     assert len(data.held_out_names(pair, 0.1)) == 1
     assert len(data.held_out_names(pair, 0.999)) == 1
 
