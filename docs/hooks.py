@@ -38,3 +38,13 @@ def on_page_markdown(markdown, page, **kwargs):  # pylint: disable=unused-argume
   if MARKER in markdown:
     return markdown.replace(MARKER, command_reference())
   return markdown
+
+
+def on_files(files, config, **kwargs):  # pylint: disable=unused-argument
+  """The committed plots (experiments/results/**/*.png) served as assets/results/..."""
+  from mkdocs.structure.files import File  # pylint: disable=import-outside-toplevel
+  results = pathlib.Path(ROOT) / "experiments" / "results"
+  for png in sorted(results.rglob("*.png")):
+    uri = f"assets/results/{png.relative_to(results).as_posix()}"
+    files.append(File.generated(config, uri, abs_src_path=str(png)))
+  return files

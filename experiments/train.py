@@ -24,7 +24,7 @@ the end), and ``summary.json`` (validation perplexity, the unigram baseline,
 tokens/s, optimizer-state bytes by tier); the command prints one result line
 (``--json``: the summary too). Resuming a finished run changes nothing.
 
-Faults (README, "Failure behaviour"): bad flags, data or checkpoints print one
+Faults (docs/explanations/failure-behaviour.md): bad flags, data or checkpoints print one
 line ``error: ...`` and exit 2; ``--skip-nonfinite K`` skips steps with
 NaN/Inf gradients (``optax.apply_if_finite`` around the whole optimizer) and
 stops, exit 3, after K in a row; without it a non-finite loss stops the run

@@ -181,8 +181,8 @@ class TierConfig:
 
 # The defaults were chosen by experiments/compare.py's ablation (choose_default):
 # the best validation perplexity among configurations whose moe-6.78b state is
-# at most the published 1.29 GB, provided it matches AdamW's (README,
-# "Optimizer comparison"). tests/experiments/test_compare.py holds them to that choice.
+# at most the published 1.29 GB, provided it matches AdamW's
+# (docs/results/comparison.md). tests/experiments/test_compare.py holds them to that choice.
 DEFAULT_BACKBONE = TierConfig(momentum="bf16", second_moment="factored")
 DEFAULT_EXPERT = TierConfig(momentum="sign", second_moment="factored")
 DEFAULT_ROUTER = TierConfig(momentum="fp32", second_moment="exact")

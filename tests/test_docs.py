@@ -43,3 +43,23 @@ def test_the_command_reference_covers_every_command():
       "experiments." + c.replace(".__main__", "") for c in COMMANDS}
   text = hooks.command_reference(("train",))
   assert "--batch-size" in text and "--steps" in text
+
+
+def test_every_page_is_in_the_navigation_and_linked_from_the_index():
+  nav = (DOCS.parent / "mkdocs.yml").read_text().split("nav:")[1]
+  pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+  listed = set(re.findall(r":\s*([\w/.-]+\.md)\s*$", nav, flags=re.M))
+  assert listed == pages
+  index = (DOCS / "index.md").read_text()
+  linked = set(re.findall(r"\]\(([\w/.-]+\.md)(?:#[\w-]+)?\)", index))
+  assert linked == pages - {"index.md"}
+
+
+def test_every_relative_link_in_the_docs_and_the_readme_finds_its_file():
+  pages = [DOCS.parent / "README.md", *DOCS.rglob("*.md")]
+  for page in pages:
+    for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
+      assert (page.parent / target).exists() or (
+          page.is_relative_to(DOCS) and target.startswith("../assets/results/")
+          and (DOCS.parent / "experiments" / "results" / target.split("assets/results/")[1]
+               ).exists()), f"{page.relative_to(DOCS.parent)}: link to {target} finds nothing"

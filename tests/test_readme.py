@@ -1,23 +1,40 @@
-"""The README's code runs, and CI runs the README's test command."""
+"""The README: each snippet runs alone and prints what the README shows; its figures are the
+results files'; CI runs its test command."""
 
+import contextlib
+import io
+import json
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "experiments" / "results"
 
 
 def code_blocks(lang):
   return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-def test_python_snippets_run(capsys):
-  blocks = code_blocks("python")
-  assert len(blocks) >= 2
-  namespace = {}
-  for block in blocks:
-    exec(compile(block, "README.md", "exec"), namespace)  # pylint: disable=exec-used
-  assert "total" in capsys.readouterr().out
+def snippets_and_outputs():
+  """Each python block with the ```text block right after it (its printed output)."""
+  return re.findall(r"```python\n(.*?)```\s*```text\n(.*?)```", README, flags=re.S)
+
+
+def test_every_python_block_has_its_output_shown():
+  assert len(snippets_and_outputs()) == len(code_blocks("python")) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(snippets_and_outputs())))
+def test_a_snippet_alone_prints_what_the_readme_shows(index):
+  pytest.importorskip("flax")
+  code, shown = snippets_and_outputs()[index]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(code, f"README.md python block {index}", "exec"), {})  # pylint: disable=exec-used
+  assert out.getvalue() == shown
 
 
 def test_ci_runs_the_readme_test_command():
@@ -25,3 +42,40 @@ def test_ci_runs_the_readme_test_command():
   assert "pytest" in test_command
   ci = (ROOT / ".ci" / "run").read_text()
   assert test_command in ci.splitlines()
+
+
+def _gb(path, key):
+  return f"{json.loads((RESULTS / path).read_text())[key] / 1e9:.3f} GB"
+
+
+def _ppl(row):
+  return f"{row['val_ppl_mean']:.2f} ± {row['val_ppl_std']:.2f}"
+
+
+def test_the_figures_at_a_glance_are_the_results_files():
+  rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+          for line in README.split("## Results at a glance")[1].split("##")[0].splitlines()
+          if line.startswith("| ") and not line.startswith("| measured")}
+  state, peak, backward, ppl = rows.values()
+  assert state[:2] == [f"**{_gb('memory/skewadam.json', 'opt_state_bytes')}**",
+                       _gb("memory/adamw.json", "opt_state_bytes")]
+  skewadam = json.loads((RESULTS / "memory" / "skewadam.json").read_text())
+  assert peak[:2] == [f"**{_gb('memory/skewadam.json', 'peak_bytes')}** (fits; largest batch "
+                      f"{skewadam['max_batch_that_fits']})", _gb("memory/adamw.json", "peak_bytes")]
+  assert skewadam["fits"] and (skewadam["batch"], skewadam["seq"]) == (1, 2048)
+  assert backward[:2] == [f"**{_gb('memory/skewadam-update-in-backward.json', 'peak_bytes')}**",
+                          _gb("memory/adamw-update-in-backward.json", "peak_bytes")]
+  long = json.loads((RESULTS / "compare-long.json").read_text())
+  by_name = {(r["optimizer"], "orthogonal" if "backbone_dir" in str(r["config"]) else "adam"): r
+             for r in long}
+  assert ppl[:2] == [f"**{_ppl(by_name['skewadam', 'adam'])}**", _ppl(by_name["adamw", "adam"])]
+  text = " ".join(README.split())
+  muon, orthogonal = by_name["muon", "adam"], by_name["skewadam", "orthogonal"]
+  assert (f"58.01 ± 0.75 with {muon['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text
+          and _ppl(muon) == "58.01 ± 0.75")
+  assert (f"{_ppl(orthogonal)} with {orthogonal['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text)
+  assert f"({_gb('memory/skewadam-orthogonal.json', 'peak_bytes')}," in text
+
+
+def test_the_readme_stays_short():
+  assert README.count("\n") <= 250

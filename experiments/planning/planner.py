@@ -275,10 +275,10 @@ def default_layout(devices: int, num_experts: int, *,
   (:func:`default_mesh_shape`), the batch over both axes, and FSDP splits the
   backbone over both axes too (``moe-47b`` on 8 x A100-40GB: 30.11 GB a
   device and 40 sequences, against 43.64 GB, not fitting, with the backbone
-  replicated; README, "Past one machine"). With the
+  replicated; docs/guides/scaling-out.md, "Past one machine"). With the
   dropless lowerings (blocked, ragged, dense), an expert axis makes XLA
   gather whole banks to the tokens and devices repeat each other's work
-  (README, "Past one machine"), so every device takes a share of the batch
+  (docs/guides/scaling-out.md, "Past one machine"), so every device takes a share of the batch
   (``data = devices``) and every matrix is split over ``data`` (FSDP,
   parameters, gradients and optimizer state alike). One device: no FSDP.
 

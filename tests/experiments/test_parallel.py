@@ -4,7 +4,7 @@ Layout rules are checked in this process on an ``AbstractMesh`` (no devices
 needed). The checks that need devices run in subprocesses, because the CPU
 device count is fixed when JAX starts: 8 simulated devices
 (tests/_parallel_worker.py) and two processes joined by ``jax.distributed`` on
-loopback (``python -m experiments.parallel``, the README's command).
+loopback (``python -m experiments.parallel``, the documented command, docs/guides/scaling-out.md).
 """
 
 import doctest

@@ -162,7 +162,7 @@ def _expert_run(grads, momentum, second_moment="factored"):
 
 
 def test_the_sign_encoding_keeps_the_momentums_size():
-  # Documented (encodings.py, README "Momentum encodings"). The first
+  # Documented (encodings.py, docs/explanations/tiers.md, "Momentum encodings"). The first
   # releases' mean-|m| code shrank the carried momentum: update RMS 0.60x
   # Adam's and decoded mean |m| 0.64x fp32's on this stationary gradient.
   sign_rms, sign_size = _expert_run(STATIONARY, "sign")

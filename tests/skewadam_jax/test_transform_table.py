@@ -316,7 +316,7 @@ def test_jitted_update_does_not_recompile(cfg):
 # optax.inject_hyperparams stores the numeric hyperparameters in the params'
 # highest dtype unless hyperparam_dtype is given: bfloat16 for bf16 params, where
 # b2 = 0.999 rounds to 1.0 and the bias correction divides by zero, for
-# optax.adam as for SkewAdam. The README says to inject with
+# optax.adam as for SkewAdam. The docs (guides/optax.md) say to inject with
 # hyperparam_dtype=float32 for bf16 params, so that is what bf16 rows run;
 # float32 rows run the plain default ("params").
 inject_table = pytest.mark.parametrize(
