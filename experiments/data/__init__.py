@@ -46,8 +46,8 @@ boundaries (the same ids as encoding each document whole) and appends them to
 vocabulary fits, else uint32). ``tokenizer.json`` and ``manifest.json``
 (format version, split rule and counts, tokenizer hash, dtype, shards with
 token counts and SHA-256, unigram baseline, fingerprint) are written last, the
-manifest atomically. Memory is bounded by the sample and block sizes, not by
-the corpus. :func:`open_prepared` checks the manifest (one-line
+manifest atomically. Memory is bounded by the sample size and the largest
+file read whole (:data:`WHOLE_FILE_BYTES`), not by the corpus. :func:`open_prepared` checks the manifest (one-line
 :class:`DataError` otherwise) and maps the shards with ``np.memmap``
 (:class:`TokenShards`); :class:`TokenDataset` and :func:`eval_batches` take
 them as they take an array and read only the windows they use, so batch
