@@ -87,27 +87,6 @@ def cache_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("tokenizers")
 
 
-# The files that take longest, scheduled first (--dist loadfile hands out
-# files in collection order): one of them started last would finish alone
-# while the other workers sit idle.
-SLOWEST_FILES = (
-    "tests/experiments/test_parallel.py",
-    "tests/experiments/test_memory.py",
-    "tests/skewadam_jax/test_transform_table.py",
-    "tests/models/test_layerwise.py",
-    "tests/experiments/test_train.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-
-  def order(item):
-    path = item.nodeid.split("::")[0]
-    return rank.get(path, len(SLOWEST_FILES))
-  items.sort(key=order)  # stable: every other file keeps its place
-
-
 def pytest_unconfigure(config):
   # The controller (not an xdist worker) removes the run's compilation cache.
   cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")

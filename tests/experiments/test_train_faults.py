@@ -28,7 +28,7 @@ def bad_corpora(tmp_path_factory):
 @pytest.mark.parametrize("flags, message", [
     (["--data", "{bad}/empty.txt"], "{bad}/empty.txt: corpus is empty"),
     (["--data", "{bad}/latin1.txt"], "{bad}/latin1.txt: not valid UTF-8: byte 0xe9 at byte offset 3"),
-    (["--data", "{bad}/short.txt"], "{bad}/short.txt: training split too short: only"),
+    (["--data", "{bad}/short.txt"], "short.txt: the only document is too short to split"),
     (["--data", "{bad}/no_text"], "{bad}/no_text: folder contains no text files"),
     (["--data", "{bad}/missing.txt"], "{bad}/missing.txt: corpus path does not exist"),
     (["--optimizer", "sgd"], "unknown optimizer 'sgd'"),
