@@ -63,3 +63,22 @@ def test_every_relative_link_in_the_docs_and_the_readme_finds_its_file():
           page.is_relative_to(DOCS) and target.startswith("../assets/results/")
           and (DOCS.parent / "experiments" / "results" / target.split("assets/results/")[1]
                ).exists()), f"{page.relative_to(DOCS.parent)}: link to {target} finds nothing"
+
+
+def test_no_results_table_is_retyped_in_the_docs():
+  """A table a results file holds is included from it (``--8<-- "file:first:last"``), so
+  the page shows what the command wrote; three of its rows typed in a page are a copy."""
+  results = sorted((DOCS.parent / "experiments" / "results").rglob("*.md"))
+  for page in DOCS.rglob("*.md"):
+    lines = page.read_text().splitlines()
+    for result in results:
+      rows = [line for line in result.read_text().splitlines()
+              if line.startswith("| ") and not line.startswith("|---")][1:]  # not the header
+      for i in range(len(lines) - 2):
+        assert not all(line in rows for line in lines[i:i + 3]), (
+            f"{page.relative_to(DOCS)} line {i + 1} retypes rows of {result.name}: include them")
+  included = set(re.findall(r'^--8<-- "([^":]+)', "\n".join(
+      p.read_text() for p in DOCS.rglob("*.md")), flags=re.M))
+  assert {"experiments/results/compare.md", "experiments/results/schedules.md"} <= included
+  for path in included:
+    assert (DOCS.parent / path).is_file(), path
