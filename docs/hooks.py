@@ -5,9 +5,13 @@
 time, so the reference cannot drift from the flags.
 """
 
+import contextlib
 import importlib
+import io
 import os
 import pathlib
+import re
+import shlex
 import sys
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -34,10 +38,35 @@ def command_reference(names=COMMANDS) -> str:
   return "\n".join(sections)
 
 
+# ``<!-- output: python -m experiments.NAME ARGS -->``: replaced by what that
+# command prints (a table it renders from results files), so a page shows the
+# command's output, not a copy of it.
+OUTPUT = re.compile(r"<!-- output: python -m experiments\.(\w+) ([^>]*?) -->")
+
+
+def command_output(name: str, args: str) -> str:
+  """What ``python -m experiments.NAME ARGS`` prints, run in this process from the checkout."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  module = importlib.import_module(f"experiments.{name}")
+  out = io.StringIO()
+  cwd = os.getcwd()
+  try:
+    os.chdir(ROOT)  # the arguments are paths in the checkout
+    with contextlib.redirect_stdout(out):
+      code = module.main(shlex.split(args))
+  finally:
+    os.chdir(cwd)
+  if code:
+    raise RuntimeError(f"python -m experiments.{name} {args}: exit {code}")
+  return out.getvalue().rstrip() + "\n"
+
+
 def on_page_markdown(markdown, page, **kwargs):  # pylint: disable=unused-argument
   if MARKER in markdown:
-    return markdown.replace(MARKER, command_reference())
-  return markdown
+    markdown = markdown.replace(MARKER, command_reference())
+  return OUTPUT.sub(lambda m: command_output(m.group(1), m.group(2)), markdown)
 
 
 def on_files(files, config, **kwargs):  # pylint: disable=unused-argument

@@ -82,3 +82,13 @@ def test_no_results_table_is_retyped_in_the_docs():
   assert {"experiments/results/compare.md", "experiments/results/schedules.md"} <= included
   for path in included:
     assert (DOCS.parent / path).is_file(), path
+
+
+def test_every_output_marker_renders_its_commands_table():
+  pytest.importorskip("flax")
+  from docs import hooks  # pylint: disable=import-outside-toplevel
+  markers = [m for p in DOCS.rglob("*.md") for m in hooks.OUTPUT.finditer(p.read_text())]
+  assert markers
+  for marker in markers:
+    table = hooks.command_output(marker.group(1), marker.group(2))
+    assert table.startswith("| ") and table.count("\n") >= 3, marker.group(0)
