@@ -4,8 +4,11 @@ The site itself is built with ``mkdocs build --strict`` by .ci/run (a broken
 link or an unrenderable docstring fails it).
 """
 
+import contextlib
+import io
 import pathlib
 import re
+import warnings
 
 import pytest
 
@@ -14,15 +17,21 @@ import skewadam_jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
-SNIPPETS = [(page, block) for page in PAGES
-            for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
+# Each python block, with the ```text block right after it (what it prints), if any.
+SNIPPETS = [(page, block, shown) for page in PAGES for block, shown in re.findall(
+    r"```python\n(.*?)```\n(?:\s*```text\n(.*?)```)?", page.read_text(), flags=re.S)]
 
 
-@pytest.mark.parametrize("page, block", SNIPPETS,
-                         ids=[f"{p.relative_to(DOCS)}-{i}" for i, (p, _) in enumerate(SNIPPETS)])
-def test_every_python_snippet_runs_on_its_own(page, block):
-  # A fresh namespace each: a snippet that leans on an earlier one fails here.
-  exec(compile(block, str(page), "exec"), {})  # pylint: disable=exec-used
+@pytest.mark.parametrize("page, block, shown", SNIPPETS,
+                         ids=[f"{p.relative_to(DOCS)}-{i}" for i, (p, _, _) in enumerate(SNIPPETS)])
+def test_every_python_snippet_runs_on_its_own_and_prints_what_the_page_shows(page, block, shown):
+  # A fresh namespace each: a snippet that leans on an earlier one fails here. The
+  # library's warnings are errors: a page's example must not trigger one.
+  out = io.StringIO()
+  with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+    warnings.filterwarnings("error", module="skewadam_jax")
+    exec(compile(block, str(page), "exec"), {})  # pylint: disable=exec-used
+  assert out.getvalue() == shown, f"{page.relative_to(DOCS)} shows other output"
 
 
 def test_there_are_snippets_to_run():
@@ -92,3 +101,22 @@ def test_every_output_marker_renders_its_commands_table():
   for marker in markers:
     table = hooks.command_output(marker.group(1), marker.group(2))
     assert table.startswith("| ") and table.count("\n") >= 3, marker.group(0)
+
+
+WRITES_RESULTS = re.compile(r"(--out|--runs|>)\s+experiments/results\b")
+
+
+def test_a_documented_command_that_rewrites_the_results_says_so():
+  """Copied from a page, such a command replaces committed results: a comment on its
+  line or the one above must say ``rewrites the committed`` ..."""
+  pages = [DOCS.parent / "README.md", *DOCS.rglob("*.md")]
+  writers = 0
+  for page in pages:
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+      lines = block.replace("\\\n", " ").splitlines()
+      for i, line in enumerate(lines):
+        if "python -m experiments." in line and WRITES_RESULTS.search(line.split("#")[0]):
+          writers += 1
+          said = line + (lines[i - 1] if i else "")
+          assert "rewrites the committed" in said, f"{page.name}: {line.strip()[:100]}"
+  assert writers >= 4
