@@ -12,6 +12,7 @@ from a results file, and an entry whose figure left its page must leave the list
 import json
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -20,6 +21,18 @@ ALLOWED = ROOT / "tests" / "figures_without_a_file.txt"
 # perplexities, ratios); plain small integers (steps, seeds, layers) are not audited.
 FIGURE = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?:\.\d+)?|(?<![\w.])\d+\.\d+")
 SCALES = (1, 1e-9, 1e-6, 1e-12, 1e2, 1e-3)  # as is, GB, MB, TFLOP, percent, thousands
+
+
+def results_files() -> list[pathlib.Path]:
+  """The committed files under experiments/results (``git ls-files``; every file there
+  outside a git checkout): a run's ignored leftovers (tokenizers, checkpoints) are not
+  results, and their numbers must not vouch for a figure."""
+  try:
+    listed = subprocess.run(["git", "ls-files", "-z", "experiments/results"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    return [ROOT / p for p in listed if p]
+  except (OSError, subprocess.CalledProcessError):
+    return [p for p in RESULTS.rglob("*") if p.is_file()]
 
 
 def known_figures() -> set:
@@ -43,7 +56,7 @@ def known_figures() -> set:
     else:
       add(node)
 
-  for path in RESULTS.rglob("*"):
+  for path in results_files():
     if path.suffix == ".json":
       walk(json.loads(path.read_text()))
     elif path.suffix in (".md", ".jsonl"):
