@@ -95,8 +95,10 @@ def test_every_figure_comes_from_a_results_file_or_is_listed():
 
 
 def test_the_list_holds_only_figures_still_on_their_pages():
-  known, shown = known_figures(), set(prose_figures())
-  stale = [entry for entry in allowed() if entry not in shown or entry[1] in known]
+  # (A listed figure that a new results file happens to hold may stay listed: a
+  # coincidence of digits is not a source.)
+  shown = set(prose_figures())
+  stale = [entry for entry in allowed() if entry not in shown]
   assert not stale, f"entries to remove from {ALLOWED.name}: {stale[:20]}"
 
 
