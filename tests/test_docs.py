@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 import skewadam_jax
+from tests import _pages
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -65,8 +66,7 @@ def test_every_page_is_in_the_navigation_and_linked_from_the_index():
 
 
 def test_every_relative_link_in_the_docs_and_the_readme_finds_its_file():
-  pages = [DOCS.parent / "README.md", *DOCS.rglob("*.md")]
-  for page in pages:
+  for page in _pages.PAGES:
     for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
       assert (page.parent / target).exists() or (
           page.is_relative_to(DOCS) and target.startswith("../assets/results/")
@@ -109,11 +109,10 @@ WRITES_RESULTS = re.compile(r"(--out|--runs|>)\s+experiments/results\b")
 def test_a_documented_command_that_rewrites_the_results_says_so():
   """Copied from a page, such a command replaces committed results: a comment on its
   line or the one above must say ``rewrites the committed`` ..."""
-  pages = [DOCS.parent / "README.md", *DOCS.rglob("*.md")]
   writers = 0
-  for page in pages:
-    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
-      lines = block.replace("\\\n", " ").splitlines()
+  for page in _pages.PAGES:
+    for block in _pages.bash_blocks(page):
+      lines = block.splitlines()
       for i, line in enumerate(lines):
         if "python -m experiments." in line and WRITES_RESULTS.search(line.split("#")[0]):
           writers += 1

@@ -14,6 +14,8 @@ import pathlib
 import re
 import subprocess
 
+from tests import _pages
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 ALLOWED = ROOT / "tests" / "figures_without_a_file.txt"
@@ -67,7 +69,7 @@ def known_figures() -> set:
 
 def prose_figures() -> list[tuple[str, str]]:
   found = []
-  for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+  for page in _pages.PAGES:
     fence = False
     for line in page.read_text().splitlines():
       if line.startswith("```") or line.lstrip().startswith("```"):

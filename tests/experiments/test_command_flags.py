@@ -9,10 +9,13 @@ string means the same setting in every command that has it.
 
 import dataclasses
 import importlib
+import re
+import shlex
 
 import pytest
 
 from experiments.training.config import TrainConfig
+from tests import _pages
 from tests.experiments.test_layout import COMMANDS as COMMAND_MODULES
 
 # The commands (python -m experiments.data is the data package's __main__).
@@ -56,15 +59,9 @@ def test_the_planner_keeps_its_old_spellings_as_aliases():
 
 def documented_commands():
   """Each ``python -m experiments.X ...`` line of the README's and the docs' bash blocks."""
-  import pathlib  # pylint: disable=import-outside-toplevel
-  import re  # pylint: disable=import-outside-toplevel
-  import shlex  # pylint: disable=import-outside-toplevel
-  root = pathlib.Path(__file__).resolve().parents[2]
-  pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
   found = []
-  for page in pages:
-    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
-      block = block.replace("\\\n", " ")
+  for page in _pages.PAGES:
+    for block in _pages.bash_blocks(page):
       # The block's own variables (COMMON="..."), expanded as the shell would;
       # a loop's variable ($i) reads as 0.
       variables = dict(re.findall(r"^\s*(\w+)=\"([^\"]*)\"", block, flags=re.M))
