@@ -32,6 +32,7 @@ Every optimizer runs under the same allocator; the JSON says which one.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -45,6 +46,7 @@ import optax
 
 import experiments
 from experiments.planning import hlo, planner
+from experiments.studies.comparison import machine_text
 from experiments.training import run as training
 from experiments.training import steps as steps_lib
 from experiments.training.config import TrainConfig
@@ -374,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   if args.update_temp:
     planner.use_deviceless_gpu_environment()
-    result = update_temp_bytes()
+    result = {**update_temp_bytes(), "date": datetime.date.today().isoformat()}
     print(json.dumps(result, indent=2) if args.json else "\n".join(
         [f"update alone, {result['preset']} (bf16 params), compiled for {result['target']}:"]
         + [f"  {k}: XLA temp {v / GB:.2f} GB, kernels read+write "
@@ -383,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ([f"  warning: {result['warning']}"] if result["warning"] else [])))
     return 0
   if args.compile_time:
-    result = compile_times(per_expert_tree(), rounds=args.rounds)
+    # Times are this machine's: the JSON says which one and when.
+    result = {**compile_times(per_expert_tree(), rounds=args.rounds),
+              "machine": machine_text(), "date": datetime.date.today().isoformat()}
     print(json.dumps(result, indent=2) if args.json else "\n".join(
         [f"jitted update on a {result['leaves']}-leaf per-expert tree "
          f"(medians of {result['rounds']} alternating rounds):",
