@@ -768,6 +768,12 @@ def _gb(nbytes) -> str:
   return "—" if nbytes is None else f"{nbytes / GB:.2f} GB"
 
 
+def _traffic_gb(nbytes: float) -> str:
+  """Collective bytes in GB; a few MB stay visible (a moved bank is 1e4 times more)."""
+  gb = nbytes / GB
+  return f"{gb:,.1f}" if gb == 0 or gb >= 0.05 else f"{gb:.3f}"
+
+
 def markdown_devices_table(reports: Sequence[dict]) -> str:
   """A Markdown table of ``--devices`` planner reports: one device's bytes, the step's traffic.
 
@@ -776,24 +782,32 @@ def markdown_devices_table(reports: Sequence[dict]) -> str:
   the bytes each collective kind handles on one device per step
   (all-gather / reduce-scatter / all-reduce / all-to-all), and
   ``useful / counted`` FLOPs then ``useful / (devices × one device's)``.
+  A one-device report is a row too (its layout "one device", no traffic), to
+  set a mesh beside it.
   """
   lines = ["| preset | optimizer | step | devices, mesh | params + state per device "
            "| peak per device (batch) | fits | largest batch | AG / RS / AR / A2A per device "
            "per step | FLOPs efficiency: step, hardware |", "|---" * 10 + "|"]
   for r in reports:
     step = "in backward" if r.get("update_in_backward") else "standard"
+    if r.get("moe_impl") == "expert_parallel":
+      step += ", expert-parallel MoE"
+    devices = r.get("devices", 1)
     mesh = r.get("mesh") or {"data": 1, "expert": 1}
-    layout = (f"{r.get('devices', 1)} x {r['target']}, data={mesh['data']} x "
+    layout = (f"one {r['target']}" if devices == 1 else
+              f"{devices} x {r['target']}, data={mesh['data']} x "
               f"expert={mesh['expert']}{', fsdp' if r.get('fsdp') else ''}"
               f"{' (default)' if r.get('layout') == 'default' else ''}")
     held = r["per_device_param_bytes"] + r["per_device_opt_state_bytes"]
     moved = r.get("collective_bytes") or {}
-    traffic = " / ".join(f"{moved.get(kind, 0) / GB:,.1f}" for kind in
-                         ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")) + " GB"
+    traffic = "—" if devices == 1 else " / ".join(
+        _traffic_gb(moved.get(kind, 0)) for kind in
+        ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")) + " GB"
     hardware = r.get("hardware_flops_efficiency")
     efficiency = (f"{r['flops_efficiency']:.2f}, "
                   f"{'—' if hardware is None else f'{hardware:.3f}'}")
+    largest = "not searched" if r["max_batch_that_fits"] is None else r["max_batch_that_fits"]
     lines.append(f"| {r['preset']} | {r['optimizer']} | {step} | {layout} | {_gb(held)} "
                  f"| {_gb(r['peak_bytes'])} ({r['batch']}) | {'yes' if r['fits'] else 'no'} "
-                 f"| {r['max_batch_that_fits']} | {traffic} | {efficiency} |")
+                 f"| {largest} | {traffic} | {efficiency} |")
   return "\n".join(lines)
