@@ -37,6 +37,33 @@ ALL=(--optimizers adamw,skewadam,muon --skewadam-configs "$NORMALIZED;$ORTHOGONA
 # Both horizons in one table (a redraw: nothing trains).
 "$PYTHON" -m experiments.compare --render experiments/results/compare-long.json \
     --shorter experiments/results/compare-400.json --out experiments/results --name compare-long
+# Where the orthogonal row's gap to Muon lives: that row's command at its
+# 1600-step rate with one difference from Muon removed at a time, seed 0 (#29's
+# attribution; each row's state at moe-6.78b: python -m experiments.state_bytes
+# with the same flags). Muon's width scaling runs at Muon's rate, for which it
+# is tuned. Nesterov's bias correction is not a row: it changes the direction
+# only while b1^t is not negligible (skewadam_jax.transform._orthogonal_step).
+lr_of() {  # the 1600-step rate of a row of compare-long.json: optimizer, direction
+  "$PYTHON" -c "import json, sys; print(next(r['lr'] for r in json.load(open(
+      'experiments/results/compare-long.json')) if r['optimizer'] == sys.argv[1]
+      and (r['config'] == 'default' or r['config'].get('backbone_dir', 'adam') == sys.argv[2])))" "$@"
+}
+ATTRIBUTION=experiments/results/attribution-runs
+attribution() {  # NAME LR FLAGS...: one row, unless its run has finished
+  local name=$1 lr=$2; shift 2
+  [ -f "$ATTRIBUTION/$name/summary.json" ] && return 0
+  "$PYTHON" -m experiments.train --optimizer skewadam --steps 1600 --lr "$lr" \
+      --warmup-steps 160 --eval-every 100 --eval-batches 16 --log-every 1 \
+      --sample-tokens 0 --ckpt-every 1000000000 --seed 0 --no-progress \
+      --backbone-direction orthogonal --expert-direction orthogonal \
+      --out "$ATTRIBUTION/$name" "$@"
+}
+ORTHO_LR=$(lr_of skewadam orthogonal)
+attribution rest-router "$ORTHO_LR" --orthogonal-rest-tier router
+attribution width-scale "$(lr_of muon adam)" --backbone-orthogonal-scale width \
+    --expert-orthogonal-scale width
+attribution b1-0.95 "$ORTHO_LR" --b1 0.95
+attribution fp32-momentum "$ORTHO_LR" --backbone-momentum fp32 --expert-momentum fp32
 # The second scale (5.06x small's parameters), one seed a row at the 1600-step
 # rates, 400 steps.
 "$PYTHON" -m experiments.compare --config experiments/configs/small-x5.toml --steps 400 \

@@ -87,6 +87,26 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
   return jnp.moveaxis(m, (-2, -1), (rows, cols))
 
 
+# How an orthogonalised matrix is scaled (TierConfig.orthogonal_scale).
+SCALES = ("adam_rms", "width")
+
+
+def width_scale(shape, axes: MatrixAxes) -> float:
+  """Muon's width scaling ``√max(1, cols / rows)`` (``optax.contrib.muon``'s default,
+  ``consistent_rms=None``; Keller Jordan's Muon): a wide matrix's update grows with its
+  aspect ratio, a tall or square one is left at RMS ``1 / √max(r, c)``.
+
+  Examples:
+    >>> from skewadam_jax import MatrixAxes
+    >>> width_scale((256, 1024), MatrixAxes(0, 1)), width_scale((1024, 256), MatrixAxes(0, 1))
+    (2.0, 1.0)
+  """
+  axes = MatrixAxes(*axes)
+  rows = math.prod(shape[a % len(shape)] for a in axes.row_axes)
+  cols = math.prod(shape[a % len(shape)] for a in axes.col_axes)
+  return math.sqrt(max(1.0, cols / rows))
+
+
 def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
   """The factor that gives an orthogonal matrix over ``axes`` of ``shape`` the RMS ``rms``."""
   axes = MatrixAxes(*axes)

@@ -54,7 +54,8 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
         "momentum": "none" if plan.encoding is None else plan.encoding.name,
         "second moment": second,
         "direction": ("normalized orthogonal" if plan.neuron_b2 is not None
-                      else "orthogonal" if plan.orthogonal else "adam"),
+                      else "orthogonal" if plan.orthogonal else "adam")
+                     + (", width-scaled" if plan.orthogonal_scale == "width" else ""),
         "decay": "yes" if decayed else "no",
         "state B/param": round(nbytes / size, 3)})
   return rows

@@ -114,6 +114,12 @@ class TierConfig:
       the state's ``nu_col`` field).
     neuron_b2: the decay of that per-neuron second moment (NorMuon's 0.95);
       read only by ``"normalized_orthogonal"``.
+    orthogonal_scale: how an orthogonalised matrix's update is scaled:
+      ``"adam_rms"`` (``0.2·√max(r, c)``: Adam's update RMS whatever the shape,
+      so Adam's learning rate and weight decay carry over) or ``"width"``
+      (Muon's ``√max(1, cols/rows)``, ``optax.contrib.muon``'s default:
+      :func:`~skewadam_jax.orthogonal.width_scale`; a learning rate tuned for
+      Muon carries over). Read only by the orthogonal directions.
 
   The update's bound, by form (Adam's direction): dense momentum (fp32, bf16)
   with an exact ``v`` keeps Adam's, ``|m̂/√v̂| ≤ (1 − b1)/√((1 − b2)(1 − b1²/b2))``
@@ -130,6 +136,7 @@ class TierConfig:
   direction: str = "adam"
   int8_code: str = "linear"
   neuron_b2: float = 0.95
+  orthogonal_scale: str = "adam_rms"
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -153,6 +160,9 @@ class TierConfig:
           "rank-one v matches the rank-one |m|), or a dense momentum ('fp32', 'bf16').")
     if self.direction not in DIRECTIONS:
       raise ValueError(f"Unknown direction {self.direction!r}; expected one of {DIRECTIONS}.")
+    if self.orthogonal_scale not in orthogonal.SCALES:
+      raise ValueError(f"Unknown orthogonal_scale {self.orthogonal_scale!r}; expected one of "
+                       f"{orthogonal.SCALES}.")
     if (isinstance(self.neuron_b2, bool) or not isinstance(self.neuron_b2, numbers.Real)
         or not 0.0 <= self.neuron_b2 < 1.0):
       raise ValueError(f"neuron_b2 must be in [0, 1), got {self.neuron_b2!r}.")
@@ -229,6 +239,8 @@ class LeafPlan(NamedTuple):
     orthogonal: whether its direction is orthogonalised (no second moment).
     neuron_b2: for the normalised orthogonal direction, the decay of its
       per-neuron second moment; ``None`` otherwise.
+    orthogonal_scale: for an orthogonalised leaf, how its update is scaled
+      (``TierConfig.orthogonal_scale``); ``None`` otherwise.
   """
   tier: str
   encoding: Optional[encodings.MomentumEncoding]
@@ -237,6 +249,7 @@ class LeafPlan(NamedTuple):
   nu_dtype: Any
   orthogonal: bool = False
   neuron_b2: Optional[float] = None
+  orthogonal_scale: Optional[str] = None
 
 
 def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConfig:
@@ -372,7 +385,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
         tier=tier, encoding=encoding, axes=axes,
         factored=config.second_moment == "factored" and axes is not None and not ortho,
         nu_dtype=jnp.dtype(config.nu_dtype), orthogonal=ortho,
-        neuron_b2=config.neuron_b2 if normalized else None))
+        neuron_b2=config.neuron_b2 if normalized else None,
+        orthogonal_scale=config.orthogonal_scale if ortho else None))
   return plans
 
 
@@ -592,7 +606,9 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
     if plan.neuron_b2 is not None:
       update, new["nu_col"] = orthogonal.normalize_per_neuron(
           update, momentum["nu_col"], axes, b2n, c2n)
-    update = update * orthogonal.adam_rms_scale(g_s.shape, axes)
+    update = update * (orthogonal.width_scale(g_s.shape, axes)
+                       if plan.orthogonal_scale == "width"
+                       else orthogonal.adam_rms_scale(g_s.shape, axes))
     return update.astype(g.dtype), new
 
   matrix = plan.axes.row_axes + plan.axes.col_axes

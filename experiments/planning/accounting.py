@@ -83,7 +83,7 @@ def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
   decayed = [decayed_paths.get(path) for path in paths]
   nbytes = skewadam_jax.state_bytes_per_param(tx, params)
   plans = (skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes, skewadam_tiers),
-                                    **(skewadam_tiers or {}))
+                                    **optimizers.tier_configs(skewadam_tiers))
            if optimizer == "skewadam" else [None] * len(leaves))
   orthogonal = None
   if optimizer == "muon":

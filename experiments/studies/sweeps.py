@@ -32,10 +32,15 @@ TIER_KEYS = {
     "router_v": ("router", "second_moment", "router_second_moment"),
     "backbone_dir": ("backbone", "direction", "backbone_direction"),
     "expert_dir": ("expert", "direction", "expert_direction"),
+    "backbone_scale": ("backbone", "orthogonal_scale", "backbone_orthogonal_scale"),
+    "expert_scale": ("expert", "orthogonal_scale", "expert_orthogonal_scale"),
+    # Not a tier setting: the tier of the leaves an orthogonal backbone leaves out.
+    "rest": (None, None, "orthogonal_rest_tier"),
 }
 # Keys a configuration names only when they differ from this value (so rows
 # saved before the key existed keep their identity and their runs' folders).
-IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam"}
+IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam", "backbone_scale": "adam_rms",
+            "expert_scale": "adam_rms", "rest": "backbone"}
 
 
 def base_config(*, preset: str = "small", batch_size: int = 16, data: str | None = None,
@@ -70,7 +75,7 @@ def resolve_config(config: dict) -> dict:
   defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
               "expert": skewadam_transform.DEFAULT_EXPERT,
               "router": skewadam_transform.DEFAULT_ROUTER}
-  resolved = {key: config.get(key, getattr(defaults[tier], field))
+  resolved = {key: config.get(key, "backbone" if tier is None else getattr(defaults[tier], field))
               for key, (tier, field, _) in TIER_KEYS.items()}
   return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
 
@@ -94,7 +99,8 @@ def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str
                        f"{', '.join(optimizers.OPTIMIZERS)}")
   configs = [parse_skewadam_config(c) for c in skewadam_configs.split(";") if c]
   for config in configs:
-    skewadam_transform.scale_by_skewadam(**TrainConfig(**train_overrides(config)).skewadam_tiers())
+    skewadam_transform.scale_by_skewadam(**optimizers.tier_configs(
+        TrainConfig(**train_overrides(config)).skewadam_tiers()))
   return entries + [("skewadam", c) for c in configs]
 
 

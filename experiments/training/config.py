@@ -53,6 +53,7 @@ def setting(default: Any, help: str, *, structural: bool, choices=None, kind=Non
 _ENCODINGS = tuple(skewadam_jax.ENCODINGS)
 _FORMS = ("exact", "factored")
 _DIRECTIONS = skewadam_jax.DIRECTIONS
+_ORTHOGONAL_SCALES = skewadam_jax.orthogonal.SCALES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,18 @@ class TrainConfig:
   expert_direction: str | None = setting(
       None, "SkewAdam expert-bank update direction (as --backbone-direction)",
       structural=True, choices=_DIRECTIONS, kind=str)
+  backbone_orthogonal_scale: str | None = setting(
+      None, "with an orthogonal backbone direction: its update scale, adam_rms (Adam's "
+      "update RMS) or width (Muon's sqrt(max(1, d_out/d_in))); default: the library's",
+      structural=True, choices=_ORTHOGONAL_SCALES, kind=str)
+  expert_orthogonal_scale: str | None = setting(
+      None, "the same for an orthogonal expert-bank direction", structural=True,
+      choices=_ORTHOGONAL_SCALES, kind=str)
+  orthogonal_rest_tier: str | None = setting(
+      None, "with an orthogonal backbone direction: the SkewAdam tier of the backbone "
+      "leaves it leaves out (embeddings, unembedding, vectors): backbone (its compact "
+      "moments; the default) or router (fp32 m, exact v: AdamW's moments, as Muon's "
+      "AdamW part)", structural=True, choices=("backbone", "router"), kind=str)
   mesh: str | None = setting(None, "SPMD mesh, e.g. data=4,expert=2 "
                              "(experiments/training/mesh.py); a checkpoint resumes on "
                              "any mesh", structural=False, kind=str)
@@ -191,18 +204,26 @@ class TrainConfig:
     return models.get_preset(self.preset, **overrides)
 
   def skewadam_tiers(self) -> dict:
+    """SkewAdam's tier settings that this configuration sets: ``{"backbone": {...},
+    "expert": {...}, "router": {...}}`` (a tier only where a field is set), and
+    :data:`optimizers.REST_TIER` with ``--orthogonal-rest-tier``'s value
+    (:func:`optimizers.tier_configs` leaves it out for the library)."""
     tiers = {}
     expert = {k: v for k, v in (("momentum", self.expert_momentum),
-                                ("direction", self.expert_direction)) if v}
+                                ("direction", self.expert_direction),
+                                ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
     if expert:
       tiers["expert"] = expert
     backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
                                   ("second_moment", self.backbone_second_moment),
-                                  ("direction", self.backbone_direction)) if v}
+                                  ("direction", self.backbone_direction),
+                                  ("orthogonal_scale", self.backbone_orthogonal_scale)) if v}
     if backbone:
       tiers["backbone"] = backbone
     if self.router_second_moment:
       tiers["router"] = {"second_moment": self.router_second_moment}
+    if self.orthogonal_rest_tier:
+      tiers[optimizers.REST_TIER] = self.orthogonal_rest_tier
     return tiers
 
   def validate(self) -> None:
@@ -269,7 +290,7 @@ class TrainConfig:
       raise ValueError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
     optimizers.lr_schedule(1.0, self.steps, self.warmup_steps, kind=self.schedule,
                            decay_fraction=self.decay_fraction)  # a decay inside the warmup
-    skewadam_jax.scale_by_skewadam(**self.skewadam_tiers())  # unknown encodings
+    skewadam_jax.scale_by_skewadam(**optimizers.tier_configs(self.skewadam_tiers()))
     if self.mesh:
       sizes = mesh_lib.parse_mesh(self.mesh)
       shards = sizes.get("data", 1) * sizes.get("expert", 1)
@@ -345,7 +366,8 @@ MODEL_OPTIONS = ("compute_dtype", "moe_block_size", "remat", "loss_chunk_size", 
 
 # The fields that choose SkewAdam's tiers (TrainConfig.skewadam_tiers).
 TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
-               "router_second_moment", "backbone_direction", "expert_direction")
+               "router_second_moment", "backbone_direction", "expert_direction",
+               "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_rest_tier")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
@@ -401,6 +423,9 @@ def tier_fields(tiers: dict) -> dict:
   """
   fields = {}
   for tier, settings in tiers.items():
+    if tier == optimizers.REST_TIER:
+      fields["orthogonal_rest_tier"] = settings
+      continue
     for key, value in dict(settings).items():
       name = f"{tier}_{key}"
       if name not in TIER_FIELDS:

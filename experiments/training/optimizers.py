@@ -79,6 +79,17 @@ def decay_mask(axes: Axes) -> Callable[[Any], Any]:
   return per_path({p: model_axes.matrix_dims(n) is not None for p, n in axes.items()})
 
 
+# The key of ``skewadam_tiers`` that is not a tier: which tier holds the backbone
+# leaves the orthogonal direction leaves out (TrainConfig.orthogonal_rest_tier).
+REST_TIER = "orthogonal_rest_tier"
+
+
+def tier_configs(skewadam_tiers: dict | None) -> dict:
+  """``skewadam_tiers`` without :data:`REST_TIER`: the library's ``backbone``,
+  ``expert`` and ``router`` arguments."""
+  return {k: v for k, v in (skewadam_tiers or {}).items() if k != REST_TIER}
+
+
 def skewadam_axes(axes: Axes, skewadam_tiers: dict | None = None) -> dict:
   """SkewAdam's ``param_labels``, ``matrix_axes`` and ``orthogonal_mask`` from the logical axes.
 
@@ -86,16 +97,31 @@ def skewadam_axes(axes: Axes, skewadam_tiers: dict | None = None) -> dict:
   same optimizer serves the whole parameter tree or any part of it (one
   layer's slice, the parameters outside the layer stack). The
   ``orthogonal_mask`` only where ``skewadam_tiers`` has an orthogonal tier
-  (the library refuses a mask it would ignore).
+  (the library refuses a mask it would ignore). With :data:`REST_TIER` set,
+  the backbone leaves that are not orthogonalised (embeddings, unembedding,
+  vectors) are labelled with that tier instead: ``"router"`` gives them
+  AdamW's moments (fp32 ``m``, exact ``v``), as Muon's AdamW part has.
+
+  Examples:
+    >>> axes = {"embed": ("vocab", "embed"), "w": ("embed", "mlp"), "scale": ("embed",)}
+    >>> labels = skewadam_axes(axes, {REST_TIER: "router"})["param_labels"]
+    >>> labels({"embed": jnp.zeros((8, 2)), "w": jnp.zeros((2, 4)), "scale": jnp.ones(2)})
+    {'embed': 'router', 'scale': 'router', 'w': 'backbone'}
   """
+  rest = (skewadam_tiers or {}).get(REST_TIER)
+
+  def label(names):
+    tier = model_axes.tier(names)
+    return rest if rest and tier == model_axes.BACKBONE and not orthogonalized(names) else tier
+
   out = {
-      "param_labels": per_path({p: model_axes.tier(n) for p, n in axes.items()}),
+      "param_labels": per_path({p: label(n) for p, n in axes.items()}),
       "matrix_axes": per_path({
           p: None if (d := model_axes.matrix_dims(n)) is None else skewadam_jax.MatrixAxes(*d)
           for p, n in axes.items()}),
   }
   if any(_direction(t) in skewadam_jax.transform.ORTHOGONAL_DIRECTIONS
-         for t in (skewadam_tiers or {}).values()):
+         for t in tier_configs(skewadam_tiers).values()):
     # A tier with the orthogonal direction orthogonalises what Muon does.
     out["orthogonal_mask"] = per_path({p: orthogonalized(n) for p, n in axes.items()})
   return out
@@ -224,7 +250,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
     # and no clipped copy of it is live (4.4 GB a bank at moe-6.78b).
     tx = skewadam_jax.skewadam(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
                                mask=mask, max_grad_norm=clip_norm or None,
-                               **skewadam_axes(axes, skewadam_tiers), **(skewadam_tiers or {}))
+                               **skewadam_axes(axes, skewadam_tiers),
+                               **tier_configs(skewadam_tiers))
   elif name == "muon":
     # optax's muon() decays every leaf of its AdamW part (norm scales
     # included) with adam_weight_decay; partitioning here gives both parts

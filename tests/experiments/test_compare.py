@@ -12,6 +12,7 @@ import models
 from experiments import compare
 from experiments.studies import comparison
 from experiments.studies import sweeps
+from experiments.training import optimizers
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
@@ -218,6 +219,20 @@ def test_update_directions_appear_in_a_row_only_when_not_adam():
   assert ortho["backbone_dir"] == ortho["expert_dir"] == "orthogonal"
   tiers = comparison.TrainConfig(**comparison.train_overrides(ortho)).skewadam_tiers()
   assert tiers["expert"]["direction"] == tiers["backbone"]["direction"] == "orthogonal"
+
+
+def test_the_attribution_keys_appear_only_when_set_and_reach_the_tiers():
+  # The orthogonal row's identity (and its runs' folders) is unchanged by the new keys.
+  ortho = {"backbone_dir": "orthogonal", "expert_dir": "orthogonal"}
+  assert comparison.resolve_config(ortho) == comparison.resolve_config(
+      {**ortho, "backbone_scale": "adam_rms", "expert_scale": "adam_rms", "rest": "backbone"})
+  row = comparison.resolve_config({**ortho, "expert_scale": "width", "rest": "router"})
+  assert row["expert_scale"] == "width" and row["rest"] == "router"
+  assert "backbone_scale" not in row
+  tiers = comparison.TrainConfig(**comparison.train_overrides(row)).skewadam_tiers()
+  assert tiers["expert"]["orthogonal_scale"] == "width"
+  assert tiers[optimizers.REST_TIER] == "router"
+  assert sweeps.parse_entries("", "backbone_dir=orthogonal,rest=router")[0][0] == "skewadam"
 
 
 def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):

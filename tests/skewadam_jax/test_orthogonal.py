@@ -111,6 +111,29 @@ def test_orthogonal_tiers_follow_the_hand_written_loop(expert_momentum):
   assert state.nu["embed"].shape == (10, 6) and state.nu["norm"].shape == (6,)
 
 
+def test_width_scaling_is_muons_aspect_ratio_rule():
+  # Muon's width scaling, by hand: sqrt(max(1, fan_out / fan_in)), fan_in the rows.
+  assert orthogonal.width_scale((6, 8), sa.MatrixAxes(0, 1)) == pytest.approx(np.sqrt(8 / 6))
+  assert orthogonal.width_scale((8, 6), sa.MatrixAxes(0, 1)) == 1.0
+  assert orthogonal.width_scale((2, 3, 4), sa.MatrixAxes(0, (1, 2))) == pytest.approx(np.sqrt(6))
+  b1 = 0.9
+  tier = {"momentum": "fp32", "direction": "orthogonal", "orthogonal_scale": "width"}
+  tx = sa.scale_by_skewadam(b1=b1, expert=tier, orthogonal_mask={"embed": False, "norm": True,
+                                                                 "moe": True})
+  state, m = tx.init(_params()), jnp.zeros((2, 3, 6, 8))
+  for step in range(2):
+    g = _grads(step)
+    u, state = jax.jit(tx.update)(g, state)
+    m = b1 * m + (1 - b1) * g["moe"]["experts"]
+    want = sa.newton_schulz(b1 * m + (1 - b1) * g["moe"]["experts"], sa.MatrixAxes(2, 3))
+    np.testing.assert_allclose(u["moe"]["experts"], want * np.sqrt(8 / 6), rtol=2e-4, atol=2e-5)
+  table = sa.plan_table(_params(), expert=tier, orthogonal_mask={"embed": False, "norm": True,
+                                                                 "moe": True})
+  assert "orthogonal, width-scaled" in table
+  with pytest.raises(ValueError, match="orthogonal_scale 'muon'"):
+    sa.TierConfig(orthogonal_scale="muon")
+
+
 def test_orthogonal_direction_shrinks_the_state_and_plans_say_so():
   params = _params()
   plain = sa.scale_by_skewadam().init(params)

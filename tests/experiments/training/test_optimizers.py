@@ -52,3 +52,37 @@ def test_saved_configs_take_the_defaults_of_fields_they_predate():
   assert full["schedule"] == "cosine" and full["decay_fraction"] == 0.2
   assert full["lr"] == 0.1 and full["preset"] == "tiny"
   assert full["sample_tokens"] == 0  # what runs did before the flag, not its default
+
+
+ORTHOGONAL = {"backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"}}
+
+
+def test_the_rest_tier_gives_muons_adamw_leaves_adamws_moments():
+  from experiments.planning import accounting  # pylint: disable=import-outside-toplevel
+  plain = {r["path"]: r for r in accounting.per_leaf("tiny", "skewadam", skewadam_tiers=ORTHOGONAL)}
+  rest = {r["path"]: r for r in accounting.per_leaf(
+      "tiny", "skewadam", skewadam_tiers={**ORTHOGONAL, optimizers.REST_TIER: "router"})}
+  moved = sorted(p for p, r in rest.items() if r["tier"] != plain[p]["tier"])
+  # Exactly what Muon leaves to its AdamW part: the backbone leaves it does not orthogonalise.
+  muon = {r["path"]: r for r in accounting.per_leaf("tiny", "muon")}
+  assert moved == sorted(p for p, r in muon.items()
+                         if not r["orthogonalized"] and plain[p]["tier"] == "backbone")
+  assert any("embed" in p for p in moved) and any("norm" in p for p in moved)
+  for path in moved:  # AdamW's moments: fp32 m, exact v, 8 bytes a parameter
+    assert (rest[path]["tier"], rest[path]["momentum"], rest[path]["second_moment"]) == (
+        "router", "fp32", "exact"), path
+    assert rest[path]["state_bytes"] == 8 * math.prod(rest[path]["shape"]), path
+  for path in set(rest) - set(moved):  # nothing else changes
+    assert rest[path] == plain[path], path
+
+
+def test_orthogonal_scale_and_rest_tier_are_training_settings():
+  config = TrainConfig(backbone_direction="orthogonal", expert_direction="orthogonal",
+                       expert_orthogonal_scale="width", orthogonal_rest_tier="router")
+  config.validate()
+  tiers = config.skewadam_tiers()
+  assert tiers["expert"] == {"direction": "orthogonal", "orthogonal_scale": "width"}
+  assert tiers[optimizers.REST_TIER] == "router"
+  assert optimizers.REST_TIER not in optimizers.tier_configs(tiers)
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  assert TrainConfig(**config_lib.tier_fields(tiers)).skewadam_tiers() == tiers
