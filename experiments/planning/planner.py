@@ -752,8 +752,10 @@ def markdown_table(reports: Sequence[dict]) -> str:
   lines = ["| optimizer | configuration | state | peak at batch 1 | fits (2 GB margin) "
            "| largest batch that fits |", "|---|---|---|---|---|---|"]
   for r in reports:
-    config = ", ".join(f"{tier}: " + "/".join(f"{v}" for v in spec.values())
-                       for tier, spec in r.get("skewadam_tiers", {}).items()) or "defaults"
+    config = ", ".join(  # a tier's settings, or the rest tier's name
+        f"{tier}: " + ("/".join(f"{v}" for v in spec.values()) if isinstance(spec, dict)
+                       else f"{spec}")
+        for tier, spec in r.get("skewadam_tiers", {}).items()) or "defaults"
     if r["optimizer"] != "skewadam":
       config = "fp32 state"
     if r.get("update_in_backward"):

@@ -40,3 +40,12 @@ def test_devices_table_names_the_expert_parallel_moe_an_unsearched_batch_and_one
   parallel, single = cells(table[2]), cells(table[3])
   assert parallel[2] == "in backward, expert-parallel MoE" and parallel[7] == "not searched"
   assert single[3] == "one a100-40gb" and single[8] == "—"
+
+
+def test_memory_table_names_each_tiers_settings_and_the_rest_tier():
+  row = {"optimizer": "skewadam", "opt_state_bytes": GB, "peak_bytes": 30 * GB, "fits": True,
+         "max_batch_that_fits": 12, "skewadam_tiers": {
+             "expert": {"direction": "orthogonal"}, "orthogonal_rest_tier": "router"}}
+  line = planner.markdown_table([row]).splitlines()[2]
+  assert "expert: orthogonal, orthogonal_rest_tier: router" in line
+  assert "1.00 GB" in line and "30.00 GB" in line
