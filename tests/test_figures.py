@@ -17,8 +17,9 @@ no results file holds is listed in ``tests/figures_without_a_file.txt``, one of 
   verbatim) or ``uncommitted`` (a current run whose files were not committed: the
   backlog, to commit or re-run).
 
-The list only shrinks: a new figure must come from a results file, and an entry whose
-figure left its page must leave the list.
+The entries that are no result only shrink: a new figure must come from a results file
+(or be derived from its figures), and an entry whose figure left its page must leave the
+list.
 """
 
 import json

@@ -56,7 +56,7 @@ def test_the_figures_at_a_glance_are_the_results_files():
   rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
           for line in README.split("## Results at a glance")[1].split("##")[0].splitlines()
           if line.startswith("| ") and not line.startswith("| measured")}
-  state, peak, backward, ppl = rows.values()
+  state, peak, backward, ppl, compile_time = rows.values()
   assert state[:2] == [f"**{_gb('memory/skewadam.json', 'opt_state_bytes')}**",
                        _gb("memory/adamw.json", "opt_state_bytes")]
   skewadam = json.loads((RESULTS / "memory" / "skewadam.json").read_text())
@@ -75,6 +75,11 @@ def test_the_figures_at_a_glance_are_the_results_files():
           and _ppl(muon) == "58.01 ± 0.75")
   assert (f"{_ppl(orthogonal)} with {orthogonal['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text)
   assert f"({_gb('memory/skewadam-orthogonal.json', 'peak_bytes')}," in text
+  times = json.loads((RESULTS / "bench-runs" / "compile-time.json").read_text())["rows"]
+  total = {name: r["trace_s"] + r["compile_s"] for name, r in times.items()}
+  assert compile_time[:2] == [
+      f"{total['skewadam']:.2f} s ({times['skewadam']['total_ratio_to_adamw']:.2f}× AdamW's; "
+      "the target is 1.5×)", f"{total['optax.adamw']:.2f} s"]
 
 
 def test_the_readme_stays_short():
