@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -365,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--compile-time", action="store_true",
                       help="only time tracing and compiling the update on a Hugging Face "
                            "Mixtral-shaped tree with one leaf per expert (per_expert_tree)")
+  parser.add_argument("--render", metavar="BENCH_JSON",
+                      help="only print the tables of a saved --json result (nothing is run)")
   parser.add_argument("--update-temp", action="store_true",
                       help="only report the XLA temp bytes of the update alone for moe-6.78b "
                            "on the A100-40GB target")
@@ -374,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   experiments.use_cpu_without_gpu()
   args = build_parser().parse_args(argv)
+  if args.render:
+    saved = json.loads(pathlib.Path(args.render).read_text())
+    print(markdown(saved, saved.get("train_step"))
+          + f"\n\nallocator: {saved.get('malloc', 'not recorded')}")
+    return 0
   if args.update_temp:
     planner.use_deviceless_gpu_environment()
     result = {**update_temp_bytes(), "date": datetime.date.today().isoformat()}

@@ -99,3 +99,19 @@ def test_compile_times_of_a_per_expert_tree():
   assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
   for row in result["rows"].values():
     assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_lines"] > 100
+
+
+def test_render_prints_a_saved_results_tables(tmp_path, capsys):
+  saved = {"num_params": 1000, "copy_gbps": 50.0, "malloc": "tuned", "rows": [
+      {"optimizer": "optax.adamw", "update_ms": 2.0, "ratio_to_adamw": 1.0,
+       "ratio_range": [1.0, 1.0], "state_bytes_per_param": 8.0, "bytes_per_param": 28.0,
+       "gbps": 14.0, "fraction_of_copy_bw": 0.28, "compiled_bytes_per_param": None,
+       "page_faults_per_update": 0.0}],
+      "train_step": {"tokens_per_s": {"adamw": 1234.0}, "step_time_ratio_to_adamw": {"adamw": 1.0}}}
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(saved))
+  assert bench.main(["--render", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "1,000 parameters (fp32), copy bandwidth 50.0 GB/s" in out
+  assert "| optax.adamw | 2.0 | 1.00 (1.00–1.00) | 8.00 | 28.0 | 14.0 | 28 % | n/a | 0 |" in out
+  assert "| adamw | 1,234 | 1.00 |" in out and out.rstrip().endswith("allocator: tuned")
