@@ -101,18 +101,20 @@ def width_scale(shape, axes: MatrixAxes) -> float:
     >>> width_scale((256, 1024), MatrixAxes(0, 1)), width_scale((1024, 256), MatrixAxes(0, 1))
     (2.0, 1.0)
   """
-  axes = MatrixAxes(*axes)
-  rows = math.prod(shape[a % len(shape)] for a in axes.row_axes)
-  cols = math.prod(shape[a % len(shape)] for a in axes.col_axes)
+  rows, cols = _matrix_sides(shape, axes)
   return math.sqrt(max(1.0, cols / rows))
 
 
 def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
   """The factor that gives an orthogonal matrix over ``axes`` of ``shape`` the RMS ``rms``."""
+  return rms * math.sqrt(max(_matrix_sides(shape, axes)))
+
+
+def _matrix_sides(shape, axes: MatrixAxes) -> tuple[int, int]:
+  """The number of rows and of columns of the matrix ``axes`` declares in ``shape``."""
   axes = MatrixAxes(*axes)
-  rows = math.prod(shape[a % len(shape)] for a in axes.row_axes)
-  cols = math.prod(shape[a % len(shape)] for a in axes.col_axes)
-  return rms * math.sqrt(max(rows, cols))
+  return (math.prod(shape[a % len(shape)] for a in axes.row_axes),
+          math.prod(shape[a % len(shape)] for a in axes.col_axes))
 
 
 # NorMuon's guards: against a zero per-neuron statistic and a zero matrix.

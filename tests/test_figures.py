@@ -22,6 +22,7 @@ The entries that are no result only shrink: a new figure must come from a result
 list.
 """
 
+import functools
 import json
 import pathlib
 import re
@@ -50,7 +51,8 @@ def results_files() -> list[pathlib.Path]:
     return [p for p in RESULTS.rglob("*") if p.is_file()]
 
 
-def known_figures() -> set:
+@functools.cache  # every test reads the same committed files and pages
+def known_figures() -> frozenset:
   known = set()
 
   def add(value):
@@ -77,7 +79,7 @@ def known_figures() -> set:
     elif path.suffix in (".md", ".jsonl"):
       known.update(m.group(0).rstrip(".,") for m in re.finditer(r"\d[\d,]*\.?\d*",
                                                                  path.read_text()))
-  return known
+  return frozenset(known)
 
 
 def prose_text(line: str, in_code: bool) -> tuple[str, bool]:
@@ -92,7 +94,8 @@ def prose_text(line: str, in_code: bool) -> tuple[str, bool]:
   return " ".join(prose), in_code
 
 
-def prose_figures() -> list[tuple[str, str]]:
+@functools.cache
+def prose_figures() -> tuple[tuple[str, str], ...]:
   found = []
   for page in _pages.PAGES:
     fence = in_code = False
@@ -106,7 +109,7 @@ def prose_figures() -> list[tuple[str, str]]:
         in_code = False
       prose, in_code = prose_text(line, in_code)
       found += [(page.relative_to(ROOT).as_posix(), m.group(0)) for m in FIGURE.finditer(prose)]
-  return found
+  return tuple(found)
 
 
 KINDS = ("setting", "cited", "history", "printed", "uncommitted")

@@ -75,7 +75,7 @@ def resolve_config(config: dict) -> dict:
   defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
               "expert": skewadam_transform.DEFAULT_EXPERT,
               "router": skewadam_transform.DEFAULT_ROUTER}
-  resolved = {key: config.get(key, "backbone" if tier is None else getattr(defaults[tier], field))
+  resolved = {key: config.get(key, IMPLICIT[key] if tier is None else getattr(defaults[tier], field))
               for key, (tier, field, _) in TIER_KEYS.items()}
   return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
 
