@@ -86,3 +86,35 @@ def test_orthogonal_scale_and_rest_tier_are_training_settings():
   assert optimizers.REST_TIER not in optimizers.tier_configs(tiers)
   from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
   assert TrainConfig(**config_lib.tier_fields(tiers)).skewadam_tiers() == tiers
+
+
+def test_skewadam_orthogonal_is_the_training_commands_orthogonal_row():
+  # The library's one-call form of the measured configuration must be the
+  # optimizer `train --backbone-direction orthogonal --expert-direction
+  # orthogonal` builds, update for update, on the real model's tree (its
+  # labels and stacked matrix axes passed as a user passes theirs).
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  import skewadam_jax  # pylint: disable=import-outside-toplevel
+  model = models.Transformer(models.get_preset("tiny"), rngs=nnx.Rngs(0))
+  params = nnx.as_pure(nnx.split(model, nnx.Param, ...)[1])
+  axes = models.logical_axes(nnx.split(model, nnx.Param, ...)[1])
+  lr = 1e-2
+  train = optimizers.make_optimizer("skewadam", learning_rate=lr, axes=axes,
+                                    skewadam_tiers=ORTHOGONAL)
+  declared = optimizers.skewadam_axes(axes)
+  alias = skewadam_jax.skewadam_orthogonal(
+      lr, mask=optimizers.decay_mask(axes), param_labels=declared["param_labels"],
+      matrix_axes=declared["matrix_axes"])
+  states = [train.init(params), alias.init(params)]
+  update = jax.jit(lambda tx, g, s, p: tx.update(g, s, p), static_argnums=0)
+  for step in range(2):
+    grads = jax.tree.map(lambda x, k: jax.random.normal(k, x.shape, x.dtype), params,
+                         jax.tree.unflatten(jax.tree.structure(params), list(
+                             jax.random.split(jax.random.key(step), len(jax.tree.leaves(params))))))
+    (u_train, states[0]), (u_alias, states[1]) = (
+        update(tx, grads, s, params) for tx, s in zip((train, alias), states))
+    for a, b in zip(jax.tree.leaves(u_train), jax.tree.leaves(u_alias)):
+      np.testing.assert_array_equal(a, b)

@@ -1,0 +1,165 @@
+"""SkewAdam with Muon's direction, as the training command measured it.
+
+:func:`skewadam` keeps the article's rule: Adam's direction ``m̂ / √v̂`` in
+every tier. :func:`skewadam_orthogonal` is the configuration that measured
+best at SkewAdam's memory in this project's long comparison
+(``experiments/results/compare-long.json``): the backbone and expert matrices
+step along the Newton–Schulz orthogonal factor of their momentum (Muon's
+direction), stored in the tiers' compact encodings, while embeddings, the
+unembedding, vectors and the router keep Adam's direction, as Muon's AdamW part
+does. Its defaults are the training command's (``python -m experiments.train``).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import optax
+
+from skewadam_jax import labels as labels_lib
+from skewadam_jax import transform
+
+# Embedding and unembedding names in this project's model (embed/embedding,
+# unembed/kernel), Hugging Face (embed_tokens, lm_head, wte/wpe), MaxText
+# (token_embedder, logits_dense), KerasHub (token_embedding, reversible
+# embeddings), Levanter (token_embeddings) and Llama's tok_embeddings/output.
+EMBEDDING_PATTERNS = (
+    r"(^|/)(embed|embedding|embeddings|embed_tokens|token_embedder|token_embedding|"
+    r"token_embeddings|tok_embeddings|wte|wpe|position_embedding|unembed|unembedding|"
+    r"lm_head|logits_dense|output_embedding)(/|$)",
+)
+
+Patterns = Union[str, Sequence[str]]
+_DEFAULT = object()  # embeddings=: EMBEDDING_PATTERNS unless orthogonal_mask is given
+
+
+def _orthogonal_unless_embedding(patterns: Patterns):
+  """An ``orthogonal_mask`` function: False on paths matching ``patterns``."""
+  compiled = [re.compile(p) for p in ((patterns,) if isinstance(patterns, str) else patterns)]
+
+  def mask(tree):
+    paths, leaves, treedef = labels_lib.flatten_with_paths(tree)
+    embedding = [any(p.search(path.replace(".", "/")) for p in compiled) for path in paths]
+    if leaves and not any(embedding):
+      warnings.warn(
+          "skewadam_orthogonal: no parameter path matched the embedding patterns "
+          f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): every declared matrix, "
+          "an embedding or unembedding included, gets Muon's direction. If the model has "
+          "them, pass embeddings=<your patterns> or orthogonal_mask.", stacklevel=2)
+    return jax.tree.unflatten(treedef, [not e for e in embedding])
+
+  return mask
+
+
+def _with_direction(tier: transform.TierLike, direction: str) -> transform.TierLike:
+  if tier is None:
+    return {"direction": direction}
+  if isinstance(tier, dict):
+    return {"direction": direction, **tier}
+  return tier  # a TierConfig says its own direction; skewadam checks anything else
+
+
+def skewadam_orthogonal(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    weight_decay: optax.ScalarOrSchedule = 0.1,
+    mask: Any = transform.MATRICES,
+    *,
+    direction: str = "orthogonal",
+    embeddings: Any = _DEFAULT,
+    orthogonal_mask: Any = None,
+    backbone: transform.TierLike = None,
+    expert: transform.TierLike = None,
+    router: transform.TierLike = None,
+    max_grad_norm: Optional[float] = 1.0,
+    **kwargs: Any,
+) -> optax.GradientTransformationExtraArgs:
+  r"""SkewAdam with Muon's direction in the backbone and expert tiers.
+
+  Each declared matrix of the backbone and expert tiers (embeddings and the
+  unembedding excepted) stores its momentum in its tier's encoding (bf16 in
+  the backbone, packed signs in the expert bank) and steps along the
+  orthogonal factor of its Nesterov momentum, scaled to Adam's update RMS::
+
+      m_t = b1·m_{t−1} + (1 − b1)·g_t
+      u_t = 0.2·√max(r, c) · NS₅(b1·m_t + (1 − b1)·g_t)
+
+  where ``NS₅`` is five Newton–Schulz iterations over the ``r × c`` matrix
+  (:func:`~skewadam_jax.newton_schulz`). Such a matrix stores no second
+  moment. Everything else (embeddings, vectors, the router) keeps
+  :func:`skewadam`'s Adam step in its tier. The result is
+  ``skewadam(..., backbone={"direction": direction}, expert={"direction":
+  direction}, orthogonal_mask=<not an embedding>)``.
+
+  The defaults are the settings the training command measured this
+  configuration with: ``b2=0.95``, ``weight_decay=0.1`` on declared matrices,
+  a global-norm clip of 1.0 inside the step (``max_grad_norm``). The
+  learning rate has no default, as in optax; the long comparison's sweep
+  (``experiments/results/compare-long.json``, the 4.46M-parameter ``small``
+  preset, 1600 steps, 10 % warmup then cosine decay) chose ``1.35e-2``. With
+  ``orthogonal_scale="adam_rms"`` (the default) rates tuned for AdamW are the
+  place to start; ``"width"`` takes Muon's.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1, b2, eps, eps_root, mu_dtype, weight_decay, mask: as in
+      :func:`skewadam` (``b2`` and ``eps`` reach the leaves that keep Adam's
+      direction).
+    direction: ``"orthogonal"`` (Muon's) or ``"normalized_orthogonal"``
+      (NorMuon's per-neuron normalisation after it).
+    embeddings: regexes (``re.search`` on each leaf's ``/``-joined path, ``.``
+      read as ``/``) naming the embedding and unembedding matrices, which
+      keep Adam's direction; :data:`EMBEDDING_PATTERNS` covers this
+      project's, Hugging Face's, MaxText's, KerasHub's and Levanter's names
+      (the default), and a warning says when no path matched. ``None``:
+      orthogonalise every declared matrix.
+    orthogonal_mask: instead of ``embeddings``, which declared matrices are
+      orthogonalised (as in :func:`scale_by_skewadam`).
+    backbone, expert, router: tier configs as in :func:`skewadam`. A dict
+      gets ``direction`` unless it sets one; a :class:`TierConfig` is used
+      as given.
+    max_grad_norm: the global-norm clip inside the step (``None``: none).
+    **kwargs: the rest of :func:`skewadam`'s keyword arguments
+      (``param_labels``, ``matrix_axes``, ``nesterov``, ...).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Raises:
+    ValueError: for an unknown ``direction``, ``embeddings`` together with
+      ``orthogonal_mask``, and everything :func:`skewadam` rejects.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import skewadam_jax
+    >>> params = {"embed": jnp.ones((8, 4)), "w": jnp.ones((4, 4)),
+    ...           "moe": {"router": jnp.ones((4, 2)),
+    ...                   "experts": jnp.ones((2, 4, 6))}}
+    >>> tx = skewadam_jax.skewadam_orthogonal(1e-2)
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+  """
+  if direction not in transform.ORTHOGONAL_DIRECTIONS:
+    raise ValueError(f"direction must be one of {transform.ORTHOGONAL_DIRECTIONS}, "
+                     f"got {direction!r}.")
+  if orthogonal_mask is not None:
+    if embeddings is not _DEFAULT and embeddings is not None:
+      raise ValueError("Give embeddings= or orthogonal_mask=, not both.")
+  elif embeddings is not None:
+    orthogonal_mask = _orthogonal_unless_embedding(
+        EMBEDDING_PATTERNS if embeddings is _DEFAULT else embeddings)
+  return transform.skewadam(
+      learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
+      backbone=_with_direction(backbone, direction),
+      expert=_with_direction(expert, direction),
+      router=router, orthogonal_mask=orthogonal_mask, max_grad_norm=max_grad_norm,
+      **kwargs)

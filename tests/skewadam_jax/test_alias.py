@@ -1,0 +1,138 @@
+"""skewadam_orthogonal: the explicit skewadam call it stands for, and its embedding rule."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import skewadam_jax as sa
+
+# Hugging Face flat names: the embedding and lm_head must keep Adam's direction.
+_HF = {
+    "model.embed_tokens.weight": (32, 8),
+    "model.layers.0.self_attn.q_proj.weight": (8, 8),
+    "model.layers.0.block_sparse_moe.gate.weight": (8, 2),
+    "model.layers.0.block_sparse_moe.experts.0.w1.weight": (8, 12),
+    "model.layers.0.block_sparse_moe.experts.1.w1.weight": (8, 12),
+    "model.layers.0.input_layernorm.weight": (8,),
+    "lm_head.weight": (8, 32),
+}
+
+
+def _tree(shapes, seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {name: jax.random.normal(k, s) for k, (name, s) in zip(keys, shapes.items())}
+
+
+def _plans(tx_kwargs, tree):
+  return dict(zip(sorted(tree), sa.leaf_plans(tree, **tx_kwargs)))  # flattening order
+
+
+def test_it_is_skewadam_with_both_matrix_tiers_orthogonal_and_embeddings_on_adam():
+  params = _tree(_HF)
+  labels = sa.label_fn("hf")
+  explicit = sa.skewadam(
+      1e-2, b1=0.9, b2=0.95, weight_decay=0.1, max_grad_norm=1.0, param_labels=labels,
+      backbone={"direction": "orthogonal"}, expert={"direction": "orthogonal"},
+      orthogonal_mask={k: k not in ("model.embed_tokens.weight", "lm_head.weight")
+                       for k in params})
+  alias = sa.skewadam_orthogonal(1e-2, param_labels=labels)
+  s_explicit, s_alias = explicit.init(params), alias.init(params)
+  for step in range(3):
+    grads = _tree(_HF, seed=step + 1)
+    u_explicit, s_explicit = explicit.update(grads, s_explicit, params)
+    u_alias, s_alias = alias.update(grads, s_alias, params)
+    for name in params:
+      np.testing.assert_array_equal(u_alias[name], u_explicit[name], err_msg=name)
+  assert jax.tree.structure(s_alias) == jax.tree.structure(s_explicit)
+
+
+def test_the_embedding_patterns_pick_out_embeddings_of_every_named_framework():
+  mask = sa.alias._orthogonal_unless_embedding(sa.EMBEDDING_PATTERNS)
+  names = {
+      "embed/embedding": False, "unembed/kernel": False,            # this project
+      "model.embed_tokens.weight": False, "lm_head.weight": False,  # Hugging Face
+      "transformer.wte.weight": False,
+      "params/token_embedder/embedding": False,                     # MaxText
+      "params/decoder/logits_dense/kernel": False,
+      "token_embedding/embeddings": False,                          # KerasHub
+      "embeddings/token_embeddings/weight": False,                  # Levanter
+      "layers/attn/query/kernel": True, "model.layers.0.mlp.down_proj.weight": True,
+      "decoder/layers/self_attention/out/kernel": True,
+      "layers/moe/experts/w_up": True,
+  }
+  got = mask({name: jnp.zeros((2, 2)) for name in names})
+  assert got == names
+
+
+def test_plans_orthogonalise_matrices_and_leave_the_rest_to_adam():
+  params = _tree(_HF)
+  plans = _plans({"param_labels": sa.label_fn("hf"),
+                  "backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"},
+                  "orthogonal_mask": sa.alias._orthogonal_unless_embedding(
+                      sa.EMBEDDING_PATTERNS)}, params)
+  orthogonal = {name for name, plan in plans.items() if plan.orthogonal}
+  assert orthogonal == {"model.layers.0.self_attn.q_proj.weight",
+                        "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                        "model.layers.0.block_sparse_moe.experts.1.w1.weight"}
+
+
+def test_it_warns_when_no_path_looks_like_an_embedding_and_not_when_told_there_is_none():
+  params = {"w": jnp.ones((4, 4)), "moe": {"router": jnp.ones((4, 2)),
+                                          "experts": jnp.ones((2, 4, 6))}}
+  with pytest.warns(UserWarning, match="no parameter path matched the embedding patterns"):
+    sa.skewadam_orthogonal(1e-2).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx = sa.skewadam_orthogonal(1e-2, embeddings=None)
+    state = tx.init(params)
+    plans = sa.leaf_plans(params, backbone={"direction": "orthogonal"},
+                          expert={"direction": "orthogonal"})
+    assert [p.orthogonal for p in plans] == [True, False, True]  # experts, router, w
+    tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+
+
+def test_own_patterns_mask_and_tier_configs_are_used_as_given():
+  params = {"wordemb": jnp.ones((16, 4)), "w": jnp.ones((4, 4))}
+  tx = sa.skewadam_orthogonal(1e-2, embeddings=r"wordemb")
+  grads = jax.tree.map(lambda x: jnp.arange(x.size, dtype=x.dtype).reshape(x.shape), params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  reference = sa.skewadam(1e-2, b2=0.95, weight_decay=0.1, max_grad_norm=1.0,
+                          backbone={"direction": "orthogonal"},
+                          expert={"direction": "orthogonal"},
+                          orthogonal_mask={"wordemb": False, "w": True})
+  expected, _ = reference.update(grads, reference.init(params), params)
+  for name in params:
+    np.testing.assert_array_equal(updates[name], expected[name], err_msg=name)
+  # A dict keeps its own direction; a TierConfig is used as it is.
+  plans = sa.leaf_plans(params, backbone=sa.TierConfig(direction="adam"),
+                        orthogonal_mask={"wordemb": False, "w": True})
+  tx = sa.skewadam_orthogonal(1e-2, backbone=sa.TierConfig(direction="adam"),
+                              orthogonal_mask={"wordemb": False, "w": True})
+  tx.init(params)
+  assert not any(p.orthogonal for p in plans)
+  tx = sa.skewadam_orthogonal(1e-2, direction="normalized_orthogonal",
+                              backbone={"momentum": "fp32"}, embeddings="wordemb")
+  state = tx.init(params)
+  assert state[0].mu["w"].dtype == jnp.float32  # the dict's momentum, the alias's direction
+  assert state[0].nu_col["w"].shape == (1, 4)   # NorMuon's per-neuron statistic
+
+
+def test_bad_arguments_are_refused_with_their_names():
+  with pytest.raises(ValueError, match="direction must be one of"):
+    sa.skewadam_orthogonal(1e-2, direction="adam")
+  with pytest.raises(ValueError, match="embeddings= or orthogonal_mask=, not both"):
+    sa.skewadam_orthogonal(1e-2, embeddings="emb", orthogonal_mask={"w": True})
+
+
+def test_it_chains_like_an_optax_alias():
+  params = {"embed": jnp.ones((8, 4)), "w": jnp.linspace(-1, 1, 16).reshape(4, 4)}
+  tx = optax.chain(optax.scale_by_schedule(lambda count: 1.0),
+                   sa.skewadam_orthogonal(optax.linear_schedule(1e-2, 0.0, 10)))
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+  assert float(jnp.abs(updates["w"]).max()) > 0
