@@ -56,7 +56,7 @@ def test_the_figures_at_a_glance_are_the_results_files():
   rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
           for line in README.split("## Results at a glance")[1].split("##")[0].splitlines()
           if line.startswith("| ") and not line.startswith("| measured")}
-  state, peak, backward, ppl, compile_time = rows.values()
+  state, peak, backward, ppl, compile_time, _ = rows.values()  # the last: XLA:GPU, below
   assert state[:2] == [f"**{_gb('memory/skewadam.json', 'opt_state_bytes')}**",
                        _gb("memory/adamw.json", "opt_state_bytes")]
   skewadam = json.loads((RESULTS / "memory" / "skewadam.json").read_text())
@@ -80,6 +80,11 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert compile_time[:2] == [
       f"{total['skewadam']:.2f} s ({times['skewadam']['total_ratio_to_adamw']:.2f}× AdamW's; "
       "the target is 1.5×)", f"{total['optax.adamw']:.2f} s"]
+  gpu = json.loads((RESULTS / "bench-runs" / "compile-time-a100.json").read_text())
+  assert gpu["target"] == "a100-40gb" and gpu["warning"] is None
+  total = {name: r["trace_s"] + r["compile_s"] for name, r in gpu["rows"].items()}
+  assert (f"| {total['skewadam']:.2f} s ({gpu['rows']['skewadam']['total_ratio_to_adamw']:.2f}× "
+          f"AdamW's) | {total['optax.adamw']:.2f} s |") in README
 
 
 def test_the_readme_stays_short():

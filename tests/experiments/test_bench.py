@@ -94,11 +94,14 @@ def test_compile_times_of_a_per_expert_tree():
   assert len(jax.tree.leaves(tree)) == 2 * (2 * 3 + 1) + 1
   labels = jax.tree.leaves(bench.skewadam_jax.label_fn("hf")(tree))
   assert labels.count("expert") == 12 and labels.count("router") == 2
-  result = bench.compile_times(tree, rounds=1)
-  assert result["leaves"] == 15 and set(result["rows"]) == {"optax.adamw", "skewadam"}
-  assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
-  for row in result["rows"].values():
-    assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_lines"] > 100
+  targets = ["cpu"] + (["a100-40gb"] if bench.planner.gpu_compile_available("a100-40gb") else [])
+  for target in targets:  # XLA:CPU, and XLA:GPU without a GPU where the extra is installed
+    result = bench.compile_times(tree, rounds=1, target=target)
+    assert result["leaves"] == 15 and set(result["rows"]) == {"optax.adamw", "skewadam"}
+    assert (result["target"], result["warning"]) == (target, None)
+    assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
+    for row in result["rows"].values():
+      assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_lines"] > 100
 
 
 def test_render_prints_a_saved_results_tables(tmp_path, capsys):
