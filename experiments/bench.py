@@ -110,12 +110,69 @@ def per_expert_tree(*, layers=20, experts=8, d_model=64, d_ff=128, vocab=256):
   return tree
 
 
+def hand_written_update(learning_rate: float = 1e-3, *, b1: float = 0.9, b2: float = 0.999,
+                        expert=lambda path: "/experts/" in path) -> optax.GradientTransformation:
+  """SkewAdam's default expert-tier math in plain ``jax.numpy``, no library: a floor.
+
+  On every leaf ``expert(path)`` names (2-D, columns a multiple of 8): packed
+  sign bits with row/column RMS statistics for ``m``, row/column means for
+  ``v`` (Adafactor's rank-one estimate), Adafactor's RMS clip, the zero-gradient
+  rule; Adam (fp32 ``m``, exact ``v``) on the rest; decoupled decay 1e-4. The
+  fewest operations this math takes as written here, with one state array per
+  statistic: what :func:`compile_times` compares the library against, to tell
+  the cost of the math from the cost of the implementation. On expert leaves
+  it equals ``skewadam(..., clip_threshold=1.0)``'s update to round-off
+  (``tests/experiments/test_bench.py``).
+  """
+  def init(params):
+    def one(path, p):
+      if expert(skewadam_jax.labels.path_to_str(path)):
+        r, c = p.shape
+        zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+        return {"bits": jnp.zeros((r, c // 8), jnp.uint8), "m_row": zeros(r), "m_col": zeros(c),
+                "v_row": zeros(r), "v_col": zeros(c)}
+      return {"m": jnp.zeros_like(p), "v": jnp.zeros_like(p)}
+    return {"count": jnp.zeros([], jnp.int32),
+            "leaves": jax.tree_util.tree_map_with_path(one, params)}
+
+  def factored_sign(g, s, p, c1, c2):
+    g2 = g * g + 1e-30
+    v_row = b2 * s["v_row"] + (1 - b2) * jnp.mean(g2, 1)
+    v_col = b2 * s["v_col"] + (1 - b2) * jnp.mean(g2, 0)
+    negative = jnp.unpackbits(s["bits"], axis=1).astype(bool)
+    size = (jnp.sqrt(s["m_row"] / jnp.maximum(jnp.mean(s["m_row"]), 1e-30))[:, None]
+            * jnp.sqrt(s["m_col"])[None, :])
+    m = (1 - b1) * g + b1 * jnp.where(negative, -size, size)
+    v = v_row[:, None] * v_col[None, :] / jnp.maximum(jnp.mean(v_row), 1e-30)
+    u = jnp.where(g == 0, 0.0, (m / c1) / (jnp.sqrt(v / c2) + 1e-8))
+    u = u / jnp.maximum(1.0, jnp.sqrt(jnp.mean(u * u)))
+    new = {"bits": jnp.packbits(m < 0, axis=1), "m_row": jnp.mean(m * m, 1),
+           "m_col": jnp.mean(m * m, 0), "v_row": v_row, "v_col": v_col}
+    return -learning_rate * (u + 1e-4 * p), new
+
+  def adam(g, s, p, c1, c2):
+    m, v = b1 * s["m"] + (1 - b1) * g, b2 * s["v"] + (1 - b2) * g * g
+    return -learning_rate * ((m / c1) / (jnp.sqrt(v / c2) + 1e-8) + 1e-4 * p), {"m": m, "v": v}
+
+  def update(grads, state, params):
+    count = state["count"] + 1
+    c1, c2 = 1 - b1**count, 1 - b2**count
+    paths, grads_flat, treedef = skewadam_jax.labels.flatten_with_paths(grads)
+    out = [(factored_sign if expert(path) else adam)(g, s, p, c1, c2) for path, g, s, p in zip(
+        paths, grads_flat, treedef.flatten_up_to(state["leaves"]), jax.tree.leaves(params))]
+    return (treedef.unflatten([u for u, _ in out]),
+            {"count": count, "leaves": treedef.unflatten([s for _, s in out])})
+
+  return optax.GradientTransformation(init, update)
+
+
 def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   """Trace + lower and compile seconds of the jitted update, SkewAdam against optax.adamw.
 
-  Both in this process, alternating, ``rounds`` times each (medians); SkewAdam
+  All in this process, alternating, ``rounds`` times each (medians); SkewAdam
   with its defaults and the ``"hf"`` labels (so the per-expert leaves are its
-  expert tier). Nothing is allocated or run. ``target``: a planner target
+  expert tier), and :func:`hand_written_update` (its expert math without the
+  library). Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -125,7 +182,8 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   place = lambda t: planner.with_sharding(t, sharding)  # noqa: E731
   tree = place(tree)
   txs = {"optax.adamw": lambda: optax.adamw(1e-3),
-         "skewadam": lambda: skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf"))}
+         "skewadam": lambda: skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf")),
+         "the same math by hand": hand_written_update}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
   hlo_lines = {}
   for _ in range(rounds):
@@ -352,6 +410,18 @@ def markdown(update: dict, train: dict | None) -> str:
   return "\n".join(lines)
 
 
+def compile_markdown(result: dict) -> str:
+  """The table of a :func:`compile_times` result, with its machine and date."""
+  return "\n".join(
+      [f"Jitted update on a {result['leaves']}-leaf per-expert tree, compiled for "
+       f"{result.get('target', 'cpu')} (medians of {result['rounds']} alternating rounds; "
+       f"{result.get('machine', 'machine not recorded')}, {result.get('date', 'no date')}):",
+       "", "| optimizer | trace + lower (s) | compile (s) | StableHLO lines | total × AdamW |",
+       "|---|---|---|---|---|"]
+      + [f"| {name} | {r['trace_s']:.2f} | {r['compile_s']:.2f} | {r['hlo_lines']:,} "
+         f"| {r['total_ratio_to_adamw']:.2f} |" for name, r in result["rows"].items()])
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.bench",
@@ -378,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --compile-time: the compiler to time, a memory-planner target "
                            "(a100-40gb: XLA:GPU without a GPU) or cpu (default)")
   parser.add_argument("--render", metavar="BENCH_JSON",
-                      help="only print the tables of a saved --json result (nothing is run)")
+                      help="only print the tables of a saved --json result, of the update "
+                           "benchmark or of --compile-time (nothing is run)")
   parser.add_argument("--update-temp", action="store_true",
                       help="only report the XLA temp bytes of the update alone for moe-6.78b "
                            "on the A100-40GB target")
@@ -390,6 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   if args.render:
     saved = json.loads(pathlib.Path(args.render).read_text())
+    if "leaves" in saved:  # a --compile-time result
+      print(compile_markdown(saved))
+      return 0
     print(markdown(saved, saved.get("train_step"))
           + f"\n\nallocator: {saved.get('malloc', 'not recorded')}")
     return 0
@@ -409,13 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Times are this machine's: the JSON says which one and when.
     result = {**compile_times(per_expert_tree(), rounds=args.rounds, target=args.target),
               "machine": machine_text(), "date": datetime.date.today().isoformat()}
-    print(json.dumps(result, indent=2) if args.json else "\n".join(
-        [f"jitted update on a {result['leaves']}-leaf per-expert tree, compiled for "
-         f"{result['target']} (medians of {result['rounds']} alternating rounds):",
-         "| optimizer | trace + lower (s) | compile (s) | StableHLO lines | total × AdamW |",
-         "|---|---|---|---|---|"]
-        + [f"| {name} | {r['trace_s']:.2f} | {r['compile_s']:.2f} | {r['hlo_lines']:,} "
-           f"| {r['total_ratio_to_adamw']:.2f} |" for name, r in result["rows"].items()]))
+    print(json.dumps(result, indent=2) if args.json else compile_markdown(result))
     return 0
   sizes = ("repeats", "rounds", "layers", "experts", "d_model", "d_ff", "vocab")
   if min(getattr(args, name) for name in sizes) < 1:

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from experiments import bench
@@ -97,11 +98,33 @@ def test_compile_times_of_a_per_expert_tree():
   targets = ["cpu"] + (["a100-40gb"] if bench.planner.gpu_compile_available("a100-40gb") else [])
   for target in targets:  # XLA:CPU, and XLA:GPU without a GPU where the extra is installed
     result = bench.compile_times(tree, rounds=1, target=target)
-    assert result["leaves"] == 15 and set(result["rows"]) == {"optax.adamw", "skewadam"}
+    assert result["leaves"] == 15 and set(result["rows"]) == {
+        "optax.adamw", "skewadam", "the same math by hand"}
     assert (result["target"], result["warning"]) == (target, None)
     assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
     for row in result["rows"].values():
       assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_lines"] > 100
+
+
+def test_the_hand_written_floor_is_the_librarys_expert_math():
+  tree = bench.per_expert_tree(layers=1, experts=2, d_model=8, d_ff=16, vocab=16)
+  params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape), tree)
+  library = bench.skewadam_jax.skewadam(1e-3, param_labels=bench.skewadam_jax.label_fn("hf"),
+                                        clip_threshold=1.0)
+  by_hand = bench.hand_written_update()
+  states = [library.init(params), by_hand.init(params)]
+  for step in range(3):
+    grads = jax.tree.map(lambda p, k=jax.random.key(step + 1): jax.random.normal(k, p.shape),
+                         params)
+    (ours, states[0]), (theirs, states[1]) = (
+        tx.update(grads, s, params) for tx, s in zip((library, by_hand), states))
+    for expert in range(2):
+      for name in ("w1", "w2", "w3"):
+        path = ("layer_0", "block_sparse_moe", "experts", str(expert), name, "kernel")
+        a, b = ours, theirs
+        for key in path:
+          a, b = a[key], b[key]
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=f"{path} step {step}")
 
 
 def test_render_prints_a_saved_results_tables(tmp_path, capsys):
