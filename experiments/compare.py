@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs)")
   parser.add_argument("--render", default=None, metavar="COMPARE_JSON",
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
+  parser.add_argument("--runs-table", default=None, metavar="RUN_DIR[,RUN_DIR...]",
+                      help="only print finished runs against --baseline: what each changes, its "
+                           "validation perplexity and state at moe-6.78b (nothing is trained)")
+  parser.add_argument("--baseline", default=None, metavar="RUN_DIR",
+                      help="the run --runs-table sets the others against")
   parser.add_argument("--keep-checkpoints", action="store_true",
                       help="keep each run's checkpoints (default: only its metrics and summary)")
   parser.add_argument("--lr-from", default=None, metavar="COMPARE_JSON[,COMPARE_JSON...]",
@@ -135,6 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       shorter=json.loads(pathlib.Path(args.shorter).read_text()) if args.shorter else None)
   kept = (json.loads(pathlib.Path(args.keep_rows_from).read_text())
           if args.keep_rows_from else None)
+  if args.runs_table:
+    if not args.baseline:
+      print("error: --runs-table needs --baseline RUN_DIR", file=sys.stderr)
+      return 2
+    try:
+      print(comparison.runs_table(args.runs_table.split(","), args.baseline))
+    except (OSError, ValueError) as err:
+      print(f"error: {err}", file=sys.stderr)
+      return 2
+    return 0
   if args.render:
     rows = json.loads(pathlib.Path(args.render).read_text())
     if kept is not None:

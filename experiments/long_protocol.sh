@@ -64,6 +64,10 @@ attribution width-scale "$(lr_of muon adam)" --backbone-orthogonal-scale width \
     --expert-orthogonal-scale width
 attribution b1-0.95 "$ORTHO_LR" --b1 0.95
 attribution fp32-momentum "$ORTHO_LR" --backbone-momentum fp32 --expert-momentum fp32
+# The rows against the orthogonal row's seed-0 run (nothing trains).
+"$PYTHON" -m experiments.compare --runs-table "$(ls -d "$ATTRIBUTION"/*/ | paste -sd, -)" \
+    --baseline "$RUNS/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-sweep-lr$(
+        printf '%.2e' "$ORTHO_LR")" > experiments/results/attribution.md
 # The second scale (5.06x small's parameters), one seed a row at the 1600-step
 # rates, 400 steps.
 "$PYTHON" -m experiments.compare --config experiments/configs/small-x5.toml --steps 400 \

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from experiments.training import optimizers
 from experiments.planning import accounting
-from experiments.training.config import TrainConfig
+from experiments.training.config import TrainConfig, with_defaults
 from experiments.studies.sweeps import entry_key, resolve_config
 from experiments.studies.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
 from experiments.studies.sweeps import tuned_rates
@@ -463,3 +463,57 @@ def _plot_frontier(plt, rows, names, path):
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path
+
+
+# Settings that say where or how a run was logged, not what it trained.
+_LOGISTICS = {"seed", "eval_every", "eval_batches", "ckpt_every", "log_every", "sample_tokens",
+              "data"}
+
+
+def _same(a, b) -> bool:
+  """Equal settings; rates equal to round-off (``0.5 * 0.027`` is the ``0.0135`` a flag gives)."""
+  if isinstance(a, float) and isinstance(b, float):
+    return math.isclose(a, b, rel_tol=1e-9)
+  return a == b
+
+
+def runs_table(run_dirs: Sequence[str | os.PathLike], baseline: str | os.PathLike) -> str:
+  """A Markdown table of finished runs set against one baseline run.
+
+  Each row is a run folder (its ``summary.json``): what its training settings
+  change from the baseline's (read from the two saved configs, so the table
+  cannot disagree with what trained), its validation perplexity, the
+  difference from the baseline's, and its optimizer state at ``moe-6.78b``
+  (:func:`experiments.planning.accounting.state_bytes` with its tiers).
+  Used for the attribution rows of the long protocol.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+
+  def read(path):
+    path = pathlib.Path(path)
+    summary = json.loads((path / "summary.json").read_text())
+    if not summary.get("completed"):
+      raise ValueError(f"{path}: the run did not finish")
+    return summary
+
+  def state_gb(summary):
+    config = TrainConfig(**with_defaults(summary["config"]))
+    return accounting.state_bytes("moe-6.78b", config.optimizer,
+                                  skewadam_tiers=config.skewadam_tiers(),
+                                  param_dtype=jnp.bfloat16)["total"] / 1e9
+
+  base = read(baseline)
+  lines = [f"Against `{pathlib.Path(baseline).name}` (validation perplexity "
+           f"{base['val_ppl']:.2f}, state at moe-6.78b {state_gb(base):.3f} GB):", "",
+           "| run | changes | val ppl | Δ | state, moe-6.78b |", "|---|---|---|---|---|"]
+  for path in run_dirs:
+    summary = read(path)
+    # None is a setting left to its default (or one this run's optimizer does not read).
+    changed = [f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+               for key, value in summary["config"].items()
+               if key not in _LOGISTICS and value is not None
+               and not _same(base["config"].get(key), value)]
+    lines.append(f"| `{pathlib.Path(path).name}` | {', '.join(changed) or 'none'} "
+                 f"| {summary['val_ppl']:.2f} | {summary['val_ppl'] - base['val_ppl']:+.2f} "
+                 f"| {state_gb(summary):.3f} GB |")
+  return "\n".join(lines)

@@ -341,3 +341,32 @@ def test_a_config_files_model_is_the_comparisons_model(seen, tmp_path):
   assert compare.main(["--optimizers", "adamw", "--config", str(other)]) == 0
   assert seen["base"].preset == "tiny" and seen["base"].model_config().num_layers == 3
   assert seen["base"].steps != 7  # the protocol, not the file, sets the rest
+
+
+def test_runs_table_says_what_each_run_changes_from_the_baseline(tmp_path, capsys):
+  from experiments.training.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  base_config = dataclasses.asdict(TrainConfig(
+      optimizer="skewadam", lr=0.5 * 0.027, backbone_direction="orthogonal",
+      expert_direction="orthogonal"))
+
+  def run(name, ppl, completed=True, **changes):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(
+        {"completed": completed, "val_ppl": ppl,
+         "config": {**base_config, "seed": 0, **changes}}))
+    return str(folder)
+
+  baseline = run("base", 59.87)
+  rows = [run("rest", 59.0, lr=0.0135, orthogonal_rest_tier="router"),  # the same rate
+          run("b1", 61.0, b1=0.95, eval_every=7)]                      # logging is no change
+  assert compare.main(["--runs-table", ",".join(rows), "--baseline", baseline]) == 0
+  out = capsys.readouterr().out
+  assert "| `rest` | orthogonal_rest_tier=router | 59.00 | -0.87 | 1.622 GB |" in out
+  assert "| `b1` | b1=0.95 | 61.00 | +1.13 | 1.219 GB |" in out
+  assert "(validation perplexity 59.87, state at moe-6.78b 1.219 GB)" in out
+  unfinished = run("unfinished", 70.0, completed=False)
+  assert compare.main(["--runs-table", unfinished, "--baseline", baseline]) == 2
+  assert "unfinished: the run did not finish" in capsys.readouterr().err
+  assert compare.main(["--runs-table", unfinished]) == 2
