@@ -76,7 +76,7 @@ def known_figures() -> frozenset:
   for path in results_files():
     if path.suffix == ".json":
       walk(json.loads(path.read_text()))
-    elif path.suffix in (".md", ".jsonl"):
+    elif path.suffix in (".md", ".jsonl", ".log"):
       known.update(m.group(0).rstrip(".,") for m in re.finditer(r"\d[\d,]*\.?\d*",
                                                                  path.read_text()))
   return frozenset(known)

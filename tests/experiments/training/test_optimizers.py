@@ -105,9 +105,8 @@ def test_skewadam_orthogonal_is_the_training_commands_orthogonal_row():
   train = optimizers.make_optimizer("skewadam", learning_rate=lr, axes=axes,
                                     skewadam_tiers=ORTHOGONAL)
   declared = optimizers.skewadam_axes(axes)
-  alias = skewadam_jax.skewadam_orthogonal(
-      lr, mask=optimizers.decay_mask(axes), param_labels=declared["param_labels"],
-      matrix_axes=declared["matrix_axes"])
+  alias = skewadam_jax.skewadam_orthogonal(  # its default decay mask: the declared matrices
+      lr, param_labels=declared["param_labels"], matrix_axes=declared["matrix_axes"])
   states = [train.init(params), alias.init(params)]
   update = jax.jit(lambda tx, g, s, p: tx.update(g, s, p), static_argnums=0)
   for step in range(2):
