@@ -120,12 +120,14 @@ FP32_TIERS = {"backbone": {"momentum": "fp32"}, "expert": {"momentum": "fp32"}}
 
 
 # With fp32 moments the two steps differ by float32 round-off only, which Adam's
-# division amplifies where v is small: up to 1e-5 on one entry in 8,192 under
-# XLA:CPU's legacy emitters (tests/_xla.py). A real difference between the two
-# steps moves a parameter by about a step's update (lr 1e-2), 500x more than atol.
+# division amplifies where v is small: on one entry in 8,192 under XLA:CPU's
+# legacy emitters (tests/_xla.py), up to 1e-5 on an Intel Xeon and 2.5e-5 on an
+# AMD EPYC (which entry and how far depends on the CPU's kernels). A real
+# difference between the two steps moves a parameter by about a step's update
+# (lr 1e-2), 100x more than atol.
 @pytest.mark.parametrize("name, tiers, atol", [
-    ("adamw", None, 2e-5),
-    ("skewadam", FP32_TIERS, 2e-5),
+    ("adamw", None, 1e-4),
+    ("skewadam", FP32_TIERS, 1e-4),
     ("skewadam", None, 1e-4),
 ])
 def test_exact_mode_equals_the_standard_step_with_clipping(tiny32, pairs, name, tiers, atol):
