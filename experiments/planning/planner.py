@@ -748,9 +748,16 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
 
 
 def markdown_table(reports: Sequence[dict]) -> str:
-  """A Markdown table of planner reports (as written by ``--json``)."""
-  lines = ["| optimizer | configuration | state | peak at batch 1 | fits (2 GB margin) "
-           "| largest batch that fits |", "|---|---|---|---|---|---|"]
+  """A Markdown table of planner reports (as written by ``--json``).
+
+  "grads alive" is the most gradient bytes alive at once; "matmul FLOPs" is
+  each step's matrix-multiply count (:func:`matmul_flops`) relative to the
+  first row's; a largest batch the report did not search is "not searched".
+  """
+  lines = ["| optimizer | configuration | state | grads alive | peak at batch 1 "
+           "| fits (2 GB margin) | largest batch that fits | matmul FLOPs |",
+           "|---|---|---|---|---|---|---|---|"]
+  first_flops = reports[0].get("matmul_flops") if reports else None
   for r in reports:
     config = ", ".join(  # a tier's settings, or the rest tier's name
         f"{tier}: " + ("/".join(f"{v}" for v in spec.values()) if isinstance(spec, dict)
@@ -760,9 +767,13 @@ def markdown_table(reports: Sequence[dict]) -> str:
       config = "fp32 state"
     if r.get("update_in_backward"):
       config += f", update in backward ({r['clip_mode']} clip)"
+    flops = r.get("matmul_flops")
+    ratio = f"{flops / first_flops:.2f}×" if flops and first_flops else "—"
+    batch = r["max_batch_that_fits"]
     lines.append(f"| {r['optimizer']} | {config} | {r['opt_state_bytes'] / GB:.2f} GB "
-                 f"| {r['peak_bytes'] / GB:.2f} GB | {'yes' if r['fits'] else 'no'} "
-                 f"| {r['max_batch_that_fits']} |")
+                 f"| {_gb(r.get('grad_bytes'))} | {r['peak_bytes'] / GB:.2f} GB "
+                 f"| {'yes' if r['fits'] else 'no'} "
+                 f"| {'not searched' if batch is None else batch} | {ratio} |")
   return "\n".join(lines)
 
 

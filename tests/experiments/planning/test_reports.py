@@ -49,3 +49,17 @@ def test_memory_table_names_each_tiers_settings_and_the_rest_tier():
   line = planner.markdown_table([row]).splitlines()[2]
   assert "expert: orthogonal, orthogonal_rest_tier: router" in line
   assert "1.00 GB" in line and "30.00 GB" in line
+
+
+def test_memory_table_sets_matmul_flops_against_the_first_row_and_says_what_was_not_searched():
+  base = {"optimizer": "skewadam", "opt_state_bytes": GB, "peak_bytes": 30 * GB, "fits": True}
+  rows = [{**base, "max_batch_that_fits": 12, "grad_bytes": 13.55 * GB, "matmul_flops": 4e12},
+          {**base, "max_batch_that_fits": None, "grad_bytes": 0.69 * GB, "matmul_flops": 7.08e12,
+           "update_in_backward": True, "clip_mode": "stale"},
+          {**base, "optimizer": "adamw", "max_batch_that_fits": 0}]
+  cells = [[c.strip() for c in line.split("|")[1:-1]]
+           for line in planner.markdown_table(rows).splitlines()[2:]]
+  assert cells[0][3:] == ["13.55 GB", "30.00 GB", "yes", "12", "1.00×"]
+  assert cells[1][1] == "defaults, update in backward (stale clip)"
+  assert cells[1][3:] == ["0.69 GB", "30.00 GB", "yes", "not searched", "1.77×"]
+  assert cells[2][1:] == ["fp32 state", "1.00 GB", "—", "30.00 GB", "yes", "0", "—"]
