@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--runs", default=None, help="the runs' folders (default OUT/runs)")
   parser.add_argument("--render", default=None, metavar="COMPARE_JSON",
                       help="run nothing: redraw the table and plots of a saved compare.json into OUT")
+  parser.add_argument("--plans", default=None, metavar="DIR",
+                      help="planner reports (python -m experiments.memory --json) for the default "
+                           "rule: only a configuration whose standard moe-6.78b step fits the "
+                           "A100-40GB target is chosen (e.g. experiments/results/memory)")
   parser.add_argument("--runs-table", default=None, metavar="RUN_DIR[,RUN_DIR...]",
                       help="only print finished runs against --baseline: what each changes, its "
                            "validation perplexity and state at moe-6.78b (nothing is trained)")
@@ -137,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   write = functools.partial(
       _write, name=args.name,
+      reports=comparison.load_reports(args.plans) if args.plans else None,
       shorter=json.loads(pathlib.Path(args.shorter).read_text()) if args.shorter else None)
   kept = (json.loads(pathlib.Path(args.keep_rows_from).read_text())
           if args.keep_rows_from else None)
@@ -209,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
            name: str = "compare", shorter: Sequence[dict] | None = None,
-           step_time: bool = True) -> int:
+           step_time: bool = True, reports: Sequence[dict] | None = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   prefix = "" if name == "compare" else f"{name}-"
   if write_json:
@@ -217,7 +222,7 @@ def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
   machines = sorted({r["machine"] for r in rows if r.get("machine")})
   table = ((f"Machine: {'; '.join(machines)}\n\n" if machines else "")
            + comparison.markdown_table(rows, step_time=step_time) + "\n\n" + comparison.verdict_text(rows)
-           + "\n\n" + comparison.choice_text(rows))
+           + "\n\n" + comparison.choice_text(rows, reports))
   if shorter is not None:
     table += "\n\nAgainst the shorter horizon:\n\n" + comparison.horizon_table(shorter, rows)
     comparison.plot_horizons(shorter, rows, out / f"{prefix}horizons.png")

@@ -28,7 +28,7 @@ one --optimizers adamw
 ALL=(--optimizers adamw,skewadam,muon --skewadam-configs "$NORMALIZED;$ORTHOGONAL")
 # Every 1600-step run is finished: this only reads them back and writes the table.
 "$PYTHON" -m experiments.compare "${PROTOCOL[@]}" "${ALL[@]}" --out experiments/results \
-    --name compare-long
+    --name compare-long --plans experiments/results/memory
 # The same rows at 400 steps, 3 seeds each at the rates the 1600-step sweep
 # chose, in their own runs folder (a run's folder name does not hold its steps).
 "$PYTHON" -m experiments.compare --steps 400 --seeds 0,1,2 "${ALL[@]}" \
@@ -36,7 +36,8 @@ ALL=(--optimizers adamw,skewadam,muon --skewadam-configs "$NORMALIZED;$ORTHOGONA
     --reuse-runs --no-progress --out experiments/results --name compare-400
 # Both horizons in one table (a redraw: nothing trains).
 "$PYTHON" -m experiments.compare --render experiments/results/compare-long.json \
-    --shorter experiments/results/compare-400.json --out experiments/results --name compare-long
+    --shorter experiments/results/compare-400.json --out experiments/results --name compare-long \
+    --plans experiments/results/memory
 # Where the orthogonal row's gap to Muon lives: that row's command at its
 # 1600-step rate with one difference from Muon removed at a time, seed 0 (#29's
 # attribution; each row's state at moe-6.78b: python -m experiments.state_bytes

@@ -54,7 +54,62 @@ ABLATION = (
 STATE_BUDGET_6P78B = 1.29e9  # the published optimizer state for moe-6.78b
 
 
-def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> dict | None:
+def _full_tiers(tiers: dict) -> tuple:
+  """SkewAdam tier settings (``TrainConfig.skewadam_tiers()``'s form) with every
+  field filled from the library's defaults, so two spellings of one
+  configuration compare equal."""
+  import skewadam_jax  # pylint: disable=import-outside-toplevel
+  defaults = {"backbone": skewadam_jax.DEFAULT_BACKBONE, "expert": skewadam_jax.DEFAULT_EXPERT,
+              "router": skewadam_jax.DEFAULT_ROUTER}
+  full = tuple(dataclasses.replace(default, **tiers.get(name, {}))
+               for name, default in defaults.items())
+  return full + (tiers.get(optimizers.REST_TIER) or "backbone",)
+
+
+def row_tiers(row: dict) -> dict:
+  """The SkewAdam tier settings a comparison row trained with."""
+  config = row["config"] if isinstance(row["config"], dict) else {}
+  return TrainConfig(**train_overrides(config)).skewadam_tiers()
+
+
+def standard_step_fits(row: dict, reports: Sequence[dict]) -> bool | None:
+  """Whether the memory planner found ``row``'s configuration's standard train
+  step at ``moe-6.78b`` to fit the A100-40GB target at batch 1 × 2048.
+
+  ``reports`` are planner reports (``python -m experiments.memory --json``);
+  the one for the row is the one-device, standard-step (not
+  ``--update-in-backward``) report with the same tiers. ``None``: no such
+  report, so the row's fit is not known (plan it with ``python -m
+  experiments.memory --preset moe-6.78b --optimizer skewadam`` and the row's
+  tier flags).
+  """
+  wanted = _full_tiers(row_tiers(row))
+  for report in reports:
+    if (report.get("preset"), report.get("optimizer"), report.get("target")) != (
+        "moe-6.78b", "skewadam", "a100-40gb"):
+      continue
+    if (report.get("batch"), report.get("seq"), report.get("devices", 1)) != (1, 2048, 1):
+      continue
+    if report.get("update_in_backward") or report.get("mesh"):
+      continue
+    if _full_tiers(report.get("skewadam_tiers") or {}) == wanted:
+      return bool(report["fits"])
+  return None
+
+
+def load_reports(directory: str | os.PathLike) -> list[dict]:
+  """Every planner report (``*.json`` with a ``peak_bytes``) in ``directory``."""
+  import json  # pylint: disable=import-outside-toplevel
+  reports = []
+  for path in sorted(pathlib.Path(directory).glob("*.json")):
+    report = json.loads(path.read_text())
+    if isinstance(report, dict) and "peak_bytes" in report:
+      reports.append(report)
+  return reports
+
+
+def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B,
+                   reports: Sequence[dict] | None = None) -> dict | None:
   """The rule that picks SkewAdam's default from a comparison's rows.
 
   A configuration *matches* AdamW when its mean validation perplexity is no
@@ -62,12 +117,17 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B) -> 
   Among the configurations whose ``moe-6.78b`` state is at most ``budget``,
   the best perplexity, if any of them matches AdamW; otherwise the smallest
   state among those that match; ``None`` if none does (or there is no AdamW row).
+  With planner ``reports``, only configurations whose standard train step
+  at ``moe-6.78b`` is known to fit the A100-40GB target at batch 1
+  (:func:`standard_step_fits`) are candidates: the training command's
+  default must fit without ``--update-in-backward``.
   """
   adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
   if adamw is None:
     return None
   matching = [r for r in rows if r["optimizer"] == "skewadam" and r["val_ppl_mean"]
-              <= adamw["val_ppl_mean"] + max(r["val_ppl_std"], adamw["val_ppl_std"])]
+              <= adamw["val_ppl_mean"] + max(r["val_ppl_std"], adamw["val_ppl_std"])
+              and (reports is None or standard_step_fits(r, reports))]
   within = [r for r in matching if r["opt_state_bytes_6p78b"] <= budget]
   if within:
     return min(within, key=lambda r: r["val_ppl_mean"])
@@ -311,10 +371,12 @@ def verdict_text(rows: Sequence[dict]) -> str:
   return f"Verdict for SkewAdam's default ({seeds} seeds): " + "; ".join(parts) + "."
 
 
-def choice_text(rows: Sequence[dict]) -> str:
-  """What :func:`choose_default` picks from ``rows``, and why, in one paragraph."""
+def choice_text(rows: Sequence[dict], reports: Sequence[dict] | None = None) -> str:
+  """What :func:`choose_default` picks from ``rows`` (with the planner's
+  ``reports``, among the configurations whose standard step fits), and why,
+  in one paragraph."""
   adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
-  choice = choose_default(rows)
+  choice = choose_default(rows, reports=reports)
   if adamw is None:
     return "No AdamW row: the default rule needs one."
   if choice is None:
@@ -330,9 +392,11 @@ def choice_text(rows: Sequence[dict]) -> str:
           f"state at moe-6.78b {choice['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"{adamw['opt_state_bytes_6p78b'] / choice['opt_state_bytes_6p78b']:.1f}x less than "
           f"AdamW's {adamw['opt_state_bytes_6p78b'] / 1e9:.1f} GB" + tie
-          + (f"; the best perplexity within {STATE_BUDGET_6P78B / 1e9:.2f} GB."
+          + (f"; the best perplexity within {STATE_BUDGET_6P78B / 1e9:.2f} GB"
              if within else f"; nothing within {STATE_BUDGET_6P78B / 1e9:.2f} GB matches "
-             "AdamW, so the smallest state that does."))
+             "AdamW, so the smallest state that does")
+          + (" whose standard train step fits the A100-40GB target at moe-6.78b (the "
+             "planner's reports)." if reports is not None else "."))
 
 
 def _pyplot():

@@ -370,3 +370,43 @@ def test_runs_table_says_what_each_run_changes_from_the_baseline(tmp_path, capsy
   assert compare.main(["--runs-table", unfinished, "--baseline", baseline]) == 2
   assert "unfinished: the run did not finish" in capsys.readouterr().err
   assert compare.main(["--runs-table", unfinished]) == 2
+
+
+def test_the_rule_takes_only_configurations_whose_standard_step_fits():
+  ortho = {"backbone_dir": "orthogonal", "expert_dir": "orthogonal"}
+  adamw = _row("adamw", 100.0, 1.0, 54e9)
+  default = {**_row("skewadam", 90.0, 1.0, 1.265e9), "config": "default"}
+  orthogonal = {**_row("skewadam", 80.0, 1.0, 1.219e9), "config": {"expert_m": "sign", **ortho}}
+  rows = [adamw, default, orthogonal]
+
+  def report(tiers, fits, **extra):
+    return {"preset": "moe-6.78b", "optimizer": "skewadam", "target": "a100-40gb", "batch": 1,
+            "seq": 2048, "devices": 1, "update_in_backward": False, "skewadam_tiers": tiers,
+            "fits": fits, "peak_bytes": 1, **extra}
+  ortho_tiers = {"expert": {"direction": "orthogonal"}, "backbone": {"direction": "orthogonal"}}
+  # The same configuration spelled two ways (the row names the default sign encoding).
+  assert comparison.standard_step_fits(orthogonal, [report(ortho_tiers, True)]) is True
+  assert comparison.standard_step_fits(orthogonal, [report({}, True)]) is None
+  # The standard step that does not fit is no candidate, whatever its perplexity...
+  assert comparison.choose_default(rows, reports=[report({}, True),
+                                                  report(ortho_tiers, False)]) is default
+  # ...and neither is a report of another step, batch or mesh.
+  others = [report(ortho_tiers, True, update_in_backward=True), report(ortho_tiers, True, batch=8),
+            report(ortho_tiers, True, devices=8), report({}, True)]
+  assert comparison.choose_default(rows, reports=others) is default
+  assert comparison.choose_default(rows, reports=[report(ortho_tiers, True), report({}, True)]) \
+      is orthogonal
+  assert comparison.choose_default(rows) is orthogonal  # no reports: no fit condition
+  text = comparison.choice_text(rows, [report(ortho_tiers, True)])
+  assert "whose standard train step fits the A100-40GB target" in text
+
+
+def test_the_committed_plans_say_which_measured_configurations_fit():
+  reports = comparison.load_reports(pathlib.Path(__file__).parents[2] / "experiments" / "results"
+                                    / "memory")
+  long = json.loads((pathlib.Path(__file__).parents[2] / "experiments" / "results"
+                     / "compare-long-progress.json").read_text())
+  skewadam = [r for r in long if r["optimizer"] == "skewadam"]
+  assert len(skewadam) == 2 and all(comparison.standard_step_fits(r, reports) for r in skewadam)
+  default = {**skewadam[0], "config": "default"}
+  assert comparison.standard_step_fits(default, reports) is True   # skewadam.json
