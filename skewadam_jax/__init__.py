@@ -5,7 +5,8 @@ The public API:
 * :func:`scale_by_skewadam` — the moment logic (an optax transformation).
 * :func:`skewadam` — with decoupled weight decay and a learning rate.
 * :func:`skewadam_orthogonal` — the same with Muon's direction in the backbone
-  and expert tiers: the configuration that measured best at SkewAdam's memory.
+  and expert tiers: the configuration that measured best at SkewAdam's memory
+  (:func:`orthogonal_settings`: its arguments, for :func:`plan_table`).
 * :class:`TierConfig` — how a tier stores its momentum and second moment.
 * :class:`MatrixAxes` — which two axes of a leaf form its matrix.
 * :func:`moe_param_labels`, :data:`PATTERNS`, :func:`label_fn`,
@@ -34,6 +35,7 @@ from skewadam_jax.accounting import state_bytes_by_tier
 from skewadam_jax.accounting import state_bytes_per_param
 from skewadam_jax.accounting import tree_bytes
 from skewadam_jax.alias import EMBEDDING_PATTERNS
+from skewadam_jax.alias import orthogonal_settings
 from skewadam_jax.alias import skewadam_orthogonal
 from skewadam_jax.axes import MatrixAxes
 from skewadam_jax.encodings import ENCODINGS
@@ -82,7 +84,8 @@ __all__ = [
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "check_separable", "get_encoding", "label_fn", "label_names",
     "layerwise_step", "leaf_plans",
-    "matrices_only", "moe_param_labels", "newton_schulz", "plan_table", "scale_by_skewadam",
+    "matrices_only", "moe_param_labels", "newton_schulz", "orthogonal_settings", "plan_table",
+    "scale_by_skewadam",
     "scanned_matrix_axes", "skewadam", "skewadam_orthogonal",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",

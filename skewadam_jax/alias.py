@@ -62,6 +62,36 @@ def _with_direction(tier: transform.TierLike, direction: str) -> transform.TierL
   return tier  # a TierConfig says its own direction; skewadam checks anything else
 
 
+def orthogonal_settings(*, direction: str = "orthogonal", embeddings: Any = _DEFAULT,
+                        orthogonal_mask: Any = None, backbone: transform.TierLike = None,
+                        expert: transform.TierLike = None) -> dict:
+  """The ``backbone``, ``expert`` and ``orthogonal_mask`` arguments
+  :func:`skewadam_orthogonal` passes to :func:`skewadam`, with the same
+  arguments and checks: what to give :func:`~skewadam_jax.plan_table` to see
+  its per-leaf plan before a run.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import skewadam_jax
+    >>> params = {"embed_tokens": jax.ShapeDtypeStruct((64, 8), jnp.float32),
+    ...           "q_proj": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    >>> plans = skewadam_jax.leaf_plans(params, **skewadam_jax.orthogonal_settings())
+    >>> [plan.orthogonal for plan in plans]   # the embedding keeps Adam's direction
+    [False, True]
+  """
+  if direction not in transform.ORTHOGONAL_DIRECTIONS:
+    raise ValueError(f"direction must be one of {transform.ORTHOGONAL_DIRECTIONS}, "
+                     f"got {direction!r}.")
+  if orthogonal_mask is not None:
+    if embeddings is not _DEFAULT and embeddings is not None:
+      raise ValueError("Give embeddings= or orthogonal_mask=, not both.")
+  elif embeddings is not None:
+    orthogonal_mask = _orthogonal_unless_embedding(
+        EMBEDDING_PATTERNS if embeddings is _DEFAULT else embeddings)
+  return {"backbone": _with_direction(backbone, direction),
+          "expert": _with_direction(expert, direction), "orthogonal_mask": orthogonal_mask}
+
+
 def skewadam_orthogonal(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -129,6 +159,10 @@ def skewadam_orthogonal(
     **kwargs: the rest of :func:`skewadam`'s keyword arguments
       (``param_labels``, ``matrix_axes``, ``nesterov``, ...).
 
+  Its per-leaf plan: ``plan_table(params, param_labels=...,
+  **orthogonal_settings(...))`` with the same arguments
+  (:func:`orthogonal_settings`).
+
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
 
@@ -148,18 +182,8 @@ def skewadam_orthogonal(
     >>> updates, state = tx.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  if direction not in transform.ORTHOGONAL_DIRECTIONS:
-    raise ValueError(f"direction must be one of {transform.ORTHOGONAL_DIRECTIONS}, "
-                     f"got {direction!r}.")
-  if orthogonal_mask is not None:
-    if embeddings is not _DEFAULT and embeddings is not None:
-      raise ValueError("Give embeddings= or orthogonal_mask=, not both.")
-  elif embeddings is not None:
-    orthogonal_mask = _orthogonal_unless_embedding(
-        EMBEDDING_PATTERNS if embeddings is _DEFAULT else embeddings)
+  settings = orthogonal_settings(direction=direction, embeddings=embeddings,
+                                 orthogonal_mask=orthogonal_mask, backbone=backbone, expert=expert)
   return transform.skewadam(
       learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-      backbone=_with_direction(backbone, direction),
-      expert=_with_direction(expert, direction),
-      router=router, orthogonal_mask=orthogonal_mask, max_grad_norm=max_grad_norm,
-      **kwargs)
+      router=router, max_grad_norm=max_grad_norm, **settings, **kwargs)

@@ -51,7 +51,7 @@ def test_it_is_skewadam_with_both_matrix_tiers_orthogonal_and_embeddings_on_adam
 
 
 def test_the_embedding_patterns_pick_out_embeddings_of_every_named_framework():
-  mask = sa.alias._orthogonal_unless_embedding(sa.EMBEDDING_PATTERNS)
+  mask = sa.orthogonal_settings()["orthogonal_mask"]
   names = {
       "embed/embedding": False, "unembed/kernel": False,            # this project
       "model.embed_tokens.weight": False, "lm_head.weight": False,  # Hugging Face
@@ -70,10 +70,7 @@ def test_the_embedding_patterns_pick_out_embeddings_of_every_named_framework():
 
 def test_plans_orthogonalise_matrices_and_leave_the_rest_to_adam():
   params = _tree(_HF)
-  plans = _plans({"param_labels": sa.label_fn("hf"),
-                  "backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"},
-                  "orthogonal_mask": sa.alias._orthogonal_unless_embedding(
-                      sa.EMBEDDING_PATTERNS)}, params)
+  plans = _plans({"param_labels": sa.label_fn("hf"), **sa.orthogonal_settings()}, params)
   orthogonal = {name for name, plan in plans.items() if plan.orthogonal}
   assert orthogonal == {"model.layers.0.self_attn.q_proj.weight",
                         "model.layers.0.block_sparse_moe.experts.0.w1.weight",
@@ -124,6 +121,8 @@ def test_own_patterns_mask_and_tier_configs_are_used_as_given():
 def test_bad_arguments_are_refused_with_their_names():
   with pytest.raises(ValueError, match="direction must be one of"):
     sa.skewadam_orthogonal(1e-2, direction="adam")
+  with pytest.raises(ValueError, match="direction must be one of"):
+    sa.orthogonal_settings(direction="Orthogonal")
   with pytest.raises(ValueError, match="embeddings= or orthogonal_mask=, not both"):
     sa.skewadam_orthogonal(1e-2, embeddings="emb", orthogonal_mask={"w": True})
 
