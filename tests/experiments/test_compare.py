@@ -407,6 +407,9 @@ def test_the_committed_plans_say_which_measured_configurations_fit():
   long = json.loads((pathlib.Path(__file__).parents[2] / "experiments" / "results"
                      / "compare-long-progress.json").read_text())
   skewadam = [r for r in long if r["optimizer"] == "skewadam"]
-  assert len(skewadam) == 2 and all(comparison.standard_step_fits(r, reports) for r in skewadam)
-  default = {**skewadam[0], "config": "default"}
-  assert comparison.standard_step_fits(default, reports) is True   # skewadam.json
+  # The default (skewadam.json), the orthogonal and the normalised rows: all planned, all fit.
+  assert len(skewadam) == 3 and all(comparison.standard_step_fits(r, reports) for r in skewadam)
+  assert sorted(r["config"].get("backbone_dir", "adam") for r in skewadam) == [
+      "adam", "normalized_orthogonal", "orthogonal"]
+  unplanned = {**skewadam[0], "config": {"expert_m": "int8"}}
+  assert comparison.standard_step_fits(unplanned, reports) is None
