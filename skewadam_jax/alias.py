@@ -12,7 +12,6 @@ does. Its defaults are the training command's (``python -m experiments.train``).
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -25,7 +24,7 @@ from skewadam_jax import transform
 # Embedding and unembedding names in this project's model (embed/embedding,
 # unembed/kernel), Hugging Face (embed_tokens, lm_head, wte/wpe), MaxText
 # (token_embedder, logits_dense), KerasHub (token_embedding, reversible
-# embeddings), Levanter (token_embeddings) and Llama's tok_embeddings/output.
+# embeddings), Levanter (token_embeddings) and Llama's tok_embeddings.
 EMBEDDING_PATTERNS = (
     r"(^|/)(embed|embedding|embeddings|embed_tokens|token_embedder|token_embedding|"
     r"token_embeddings|tok_embeddings|wte|wpe|position_embedding|unembed|unembedding|"
@@ -38,7 +37,7 @@ _DEFAULT = object()  # embeddings=: EMBEDDING_PATTERNS unless orthogonal_mask is
 
 def _orthogonal_unless_embedding(patterns: Patterns):
   """An ``orthogonal_mask`` function: False on paths matching ``patterns``."""
-  compiled = [re.compile(p) for p in ((patterns,) if isinstance(patterns, str) else patterns)]
+  compiled = labels_lib._compile(patterns)  # pylint: disable=protected-access
 
   def mask(tree):
     paths, leaves, treedef = labels_lib.flatten_with_paths(tree)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import pathlib
@@ -28,7 +29,7 @@ from experiments.planning import accounting
 from experiments.training.config import TrainConfig, with_defaults
 from experiments.studies.sweeps import entry_key, resolve_config
 from experiments.studies.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
-from experiments.studies.sweeps import tuned_rates
+from experiments.studies.sweeps import TIER_DEFAULTS, tuned_rates
 
 # --quick is a first look: AdamW, SkewAdam's default and Muon, 3 seeds, no sweep
 # (each trains at the rate the full protocol tuned, experiments/results/compare.json),
@@ -54,15 +55,19 @@ ABLATION = (
 STATE_BUDGET_6P78B = 1.29e9  # the published optimizer state for moe-6.78b
 
 
+def state_bytes_6p78b(optimizer: str, skewadam_tiers: dict | None = None) -> int:
+  """Optimizer-state bytes of ``optimizer`` at ``moe-6.78b`` (bf16 parameters),
+  the comparison's state column."""
+  return accounting.state_bytes("moe-6.78b", optimizer, skewadam_tiers=skewadam_tiers,
+                                param_dtype=jnp.bfloat16)["total"]
+
+
 def _full_tiers(tiers: dict) -> tuple:
   """SkewAdam tier settings (``TrainConfig.skewadam_tiers()``'s form) with every
   field filled from the library's defaults, so two spellings of one
   configuration compare equal."""
-  import skewadam_jax  # pylint: disable=import-outside-toplevel
-  defaults = {"backbone": skewadam_jax.DEFAULT_BACKBONE, "expert": skewadam_jax.DEFAULT_EXPERT,
-              "router": skewadam_jax.DEFAULT_ROUTER}
   full = tuple(dataclasses.replace(default, **tiers.get(name, {}))
-               for name, default in defaults.items())
+               for name, default in TIER_DEFAULTS.items())
   return full + (tiers.get(optimizers.REST_TIER) or "backbone",)
 
 
@@ -99,7 +104,6 @@ def standard_step_fits(row: dict, reports: Sequence[dict]) -> bool | None:
 
 def load_reports(directory: str | os.PathLike) -> list[dict]:
   """Every planner report (``*.json`` with a ``peak_bytes``) in ``directory``."""
-  import json  # pylint: disable=import-outside-toplevel
   reports = []
   for path in sorted(pathlib.Path(directory).glob("*.json")):
     report = json.loads(path.read_text())
@@ -230,8 +234,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
         "val_ppl_mean": statistics.mean(ppls),
         "val_ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
         "opt_state_bytes_small": finals[0]["opt_state_bytes"],
-        "opt_state_bytes_6p78b": accounting.state_bytes(
-            "moe-6.78b", optimizer, skewadam_tiers=tiers, param_dtype=jnp.bfloat16)["total"],
+        "opt_state_bytes_6p78b": state_bytes_6p78b(optimizer, tiers),
         "tokens_per_s": statistics.median(f["tokens_per_s"] or 0.0 for f in finals),
         "median_step_s": statistics.median(f["median_step_s"] or 0.0 for f in finals),
         "curve_seed0": finals[0]["curve"], "sweep": sweep,
@@ -551,7 +554,6 @@ def runs_table(run_dirs: Sequence[str | os.PathLike], baseline: str | os.PathLik
   (:func:`experiments.planning.accounting.state_bytes` with its tiers).
   Used for the attribution rows of the long protocol.
   """
-  import json  # pylint: disable=import-outside-toplevel
 
   def read(path):
     path = pathlib.Path(path)
@@ -562,9 +564,7 @@ def runs_table(run_dirs: Sequence[str | os.PathLike], baseline: str | os.PathLik
 
   def state_gb(summary):
     config = TrainConfig(**with_defaults(summary["config"]))
-    return accounting.state_bytes("moe-6.78b", config.optimizer,
-                                  skewadam_tiers=config.skewadam_tiers(),
-                                  param_dtype=jnp.bfloat16)["total"] / 1e9
+    return state_bytes_6p78b(config.optimizer, config.skewadam_tiers()) / 1e9
 
   base = read(baseline)
   lines = [f"Against `{pathlib.Path(baseline).name}` (validation perplexity "

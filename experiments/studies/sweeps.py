@@ -70,12 +70,16 @@ def parse_skewadam_config(text: str) -> dict:
   return out
 
 
+# The library's tier defaults, by tier name.
+TIER_DEFAULTS = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
+                 "expert": skewadam_transform.DEFAULT_EXPERT,
+                 "router": skewadam_transform.DEFAULT_ROUTER}
+
+
 def resolve_config(config: dict) -> dict:
   """A partial SkewAdam configuration, completed from the library's defaults."""
-  defaults = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
-              "expert": skewadam_transform.DEFAULT_EXPERT,
-              "router": skewadam_transform.DEFAULT_ROUTER}
-  resolved = {key: config.get(key, IMPLICIT[key] if tier is None else getattr(defaults[tier], field))
+  resolved = {key: config.get(key, IMPLICIT[key] if tier is None
+                              else getattr(TIER_DEFAULTS[tier], field))
               for key, (tier, field, _) in TIER_KEYS.items()}
   return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
 
