@@ -13,8 +13,11 @@ RUNS=experiments/results/compare-long-runs
 # The sweep centres: the rates 0.2.0's comparison tuned (frozen, so that a rerun
 # after compare-long.json is rewritten finds the same runs).
 RATES=experiments/results/compare-long-0.2.0.json,experiments/results/orthogonal/quick-normalized.json
+# SkewAdam's rows by their directions, spelt out (`--optimizers skewadam` is the
+# training command's default, which this comparison chose: the orthogonal row).
 NORMALIZED="backbone_dir=normalized_orthogonal,expert_dir=normalized_orthogonal"
 ORTHOGONAL="backbone_dir=orthogonal,expert_dir=orthogonal"
+ADAM="backbone_dir=adam,expert_dir=adam"  # the library's skewadam()
 PROTOCOL=(--steps 1600 --sweep-steps 1600 --seeds 0,1,2 --lr-factors 0.5,1
           --lr-from "$RATES" --runs "$RUNS" --reuse-runs --no-progress)
 one() {  # one contender: its partial table goes to runs/, not the results
@@ -23,9 +26,9 @@ one() {  # one contender: its partial table goes to runs/, not the results
 one --optimizers "" --skewadam-configs "$NORMALIZED"
 one --optimizers muon
 one --optimizers "" --skewadam-configs "$ORTHOGONAL"
-one --optimizers skewadam
+one --optimizers "" --skewadam-configs "$ADAM"
 one --optimizers adamw
-ALL=(--optimizers adamw,skewadam,muon --skewadam-configs "$NORMALIZED;$ORTHOGONAL")
+ALL=(--optimizers adamw,muon --skewadam-configs "$ADAM;$NORMALIZED;$ORTHOGONAL")
 # Every 1600-step run is finished: this only reads them back and writes the table.
 "$PYTHON" -m experiments.compare "${PROTOCOL[@]}" "${ALL[@]}" --out experiments/results \
     --name compare-long --plans experiments/results/memory

@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from experiments.studies import sweeps
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 RESULTS = ROOT / "experiments" / "results"
@@ -66,15 +68,23 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert backward[:2] == [f"**{_gb('memory/skewadam-update-in-backward.json', 'peak_bytes')}**",
                           _gb("memory/adamw-update-in-backward.json", "peak_bytes")]
   long = json.loads((RESULTS / "compare-long.json").read_text())
-  by_name = {(r["optimizer"], "orthogonal" if "backbone_dir" in str(r["config"]) else "adam"): r
-             for r in long}
-  assert ppl[:2] == [f"**{_ppl(by_name['skewadam', 'adam'])}**", _ppl(by_name["adamw", "adam"])]
+  by_name = {(r["optimizer"], r["config"].get("backbone_dir", "adam")
+              if isinstance(r["config"], dict) else "adam"): r for r in long}
+  default = by_name["skewadam", "orthogonal"]
+  assert default["config"] == sweeps.default_config()
+  assert ppl[:2] == [f"**{_ppl(default)}**", _ppl(by_name["adamw", "adam"])]
   text = " ".join(README.split())
-  muon, orthogonal = by_name["muon", "adam"], by_name["skewadam", "orthogonal"]
-  assert (f"58.01 ± 0.75 with {muon['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text
-          and _ppl(muon) == "58.01 ± 0.75")
-  assert (f"{_ppl(orthogonal)} with {orthogonal['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text)
-  assert f"({_gb('memory/skewadam-orthogonal.json', 'peak_bytes')}," in text
+  muon, adam = by_name["muon", "adam"], by_name["skewadam", "adam"]
+  normalized = by_name["skewadam", "normalized_orthogonal"]
+  assert f"reached {_ppl(muon)} with {muon['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text
+  assert f"(Adam's direction) {_ppl(adam)} with {adam['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text
+  assert (f"orthogonal tiers {_ppl(normalized)} with "
+          f"{normalized['opt_state_bytes_6p78b'] / 1e9:.3f} GB") in text
+  gap = default["val_ppl_mean"] - muon["val_ppl_mean"]
+  assert f"the default trails Muon by {gap:.2f}" in text
+  assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
+          f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
+  assert f"Adam's direction in every tier, {_ppl(adam)} at" in text
   times = json.loads((RESULTS / "bench-runs" / "compile-time.json").read_text())["rows"]
   total = {name: r["trace_s"] + r["compile_s"] for name, r in times.items()}
   ratio = lambda rows, name: f"{rows[name]['total_ratio_to_adamw']:.2f}×"  # noqa: E731

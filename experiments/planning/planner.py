@@ -762,7 +762,7 @@ def markdown_table(reports: Sequence[dict]) -> str:
     config = ", ".join(  # a tier's settings, or the rest tier's name
         f"{tier}: " + ("/".join(f"{v}" for v in spec.values()) if isinstance(spec, dict)
                        else f"{spec}")
-        for tier, spec in r.get("skewadam_tiers", {}).items()) or "defaults"
+        for tier, spec in r.get("skewadam_tiers", {}).items()) or "skewadam()'s defaults"
     if r["optimizer"] != "skewadam":
       config = "fp32 state"
     if r.get("update_in_backward"):

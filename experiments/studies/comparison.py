@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from experiments.training import optimizers
 from experiments.planning import accounting
 from experiments.training.config import TrainConfig, with_defaults
-from experiments.studies.sweeps import entry_key, resolve_config
+from experiments.studies.sweeps import default_config, entry_key
 from experiments.studies.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
 from experiments.studies.sweeps import TIER_DEFAULTS, tuned_rates
 
@@ -37,7 +37,7 @@ from experiments.studies.sweeps import TIER_DEFAULTS, tuned_rates
 QUICK = dict(steps=200, sweep_steps=0, seeds=(0, 1, 2), eval_every=100, eval_batches=8,
              max_extensions=0)
 QUICK_OPTIMIZERS = "adamw,skewadam,muon"
-TUNED_RATES = pathlib.Path(__file__).resolve().parents[1] / "results" / "compare.json"
+TUNED_RATES = pathlib.Path(__file__).resolve().parents[1] / "results" / "compare-long.json"
 NOISE_MULTIPLE = 2  # an ordering is reported only when it exceeds twice the seeds' spread
 FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16,
             max_extensions=2)
@@ -270,8 +270,8 @@ def merge_rows(kept: Sequence[dict], rerun: Sequence[dict]) -> list[dict]:
 
 
 def is_default(row: dict) -> bool:
-  """Whether a row is its optimizer's default configuration in the library as it is now."""
-  return not isinstance(row["config"], dict) or row["config"] == resolve_config({})
+  """Whether a row is its optimizer's default configuration in the training command as it is now."""
+  return not isinstance(row["config"], dict) or row["config"] == default_config()
 
 
 def plot_name(row: dict) -> str:

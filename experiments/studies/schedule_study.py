@@ -14,8 +14,9 @@ import pathlib
 import statistics
 from typing import Sequence
 
-from experiments.studies.sweeps import (entry_key, resolve_config, resolve_entry, row_key,
-                                        run_name, run_or_reuse, train_overrides, tuned_rates)
+from experiments.studies.sweeps import (IMPLICIT, default_config, entry_key,
+                                        resolve_entry, row_key, run_name, run_or_reuse,
+                                        train_overrides, tuned_rates)
 from experiments.training import optimizers
 
 
@@ -122,7 +123,9 @@ def sweep_schedules(entries: Sequence[tuple[str, dict | None]], *, base, out_dir
 def _label(row: dict) -> str:
   if not isinstance(row["config"], dict):
     return row["optimizer"]
-  changed = {k: v for k, v in row["config"].items() if resolve_config({}).get(k) != v}
+  default = default_config()
+  changed = {k: v for k, v in {**{k: IMPLICIT.get(k) for k in default}, **row["config"]}.items()
+             if default.get(k) != v}
   return "skewadam" + (" " + ",".join(f"{k}={v}" for k, v in changed.items()) if changed
                        else " (default)")
 

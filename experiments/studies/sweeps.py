@@ -85,8 +85,17 @@ def resolve_config(config: dict) -> dict:
 
 
 def train_overrides(config: dict) -> dict:
-  """A SkewAdam configuration as ``TrainConfig`` fields."""
-  return {TIER_KEYS[key][2]: value for key, value in config.items()}
+  """A SkewAdam configuration (:func:`resolve_config`'s form) as ``TrainConfig`` fields.
+
+  The directions are always set: a configuration leaves out the library's
+  (``adam``), which is not the training command's default.
+
+  Example:
+    >>> train_overrides({"expert_m": "int8"})
+    {'backbone_direction': 'adam', 'expert_direction': 'adam', 'expert_momentum': 'int8'}
+  """
+  directions = {TIER_KEYS[key][2]: IMPLICIT[key] for key in ("backbone_dir", "expert_dir")}
+  return {**directions, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
 
 
 def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str, dict | None]]:
@@ -108,9 +117,30 @@ def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str
   return entries + [("skewadam", c) for c in configs]
 
 
+# The training command's default SkewAdam configuration where it is not the
+# library's: what a sweep's entry (`--optimizers skewadam`, a partial
+# `--skewadam-configs`) starts from, so that it runs what `train` runs.
+TRAIN_DEFAULT = {"backbone_dir": optimizers.DEFAULT_DIRECTION,
+                 "expert_dir": optimizers.DEFAULT_DIRECTION}
+
+
 def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
-  """An entry's configuration as its row names it: SkewAdam's resolved, else ``None``."""
-  return resolve_config(config or {}) if optimizer == "skewadam" else None
+  """An entry's configuration as its row names it: SkewAdam's resolved, else ``None``.
+
+  A SkewAdam entry completes from the training command's defaults
+  (:data:`TRAIN_DEFAULT`, then the library's); a saved row's configuration is
+  already complete (:func:`resolve_config`).
+
+  Example:
+    >>> resolve_entry("skewadam", {"backbone_dir": "adam", "expert_dir": "adam"}) == resolve_config({})
+    True
+  """
+  return resolve_config({**TRAIN_DEFAULT, **(config or {})}) if optimizer == "skewadam" else None
+
+
+def default_config() -> dict:
+  """The training command's default SkewAdam configuration, resolved."""
+  return resolve_entry("skewadam", None)
 
 
 def row_key(row: dict) -> tuple[str, str]:
@@ -143,8 +173,8 @@ def run_name(optimizer: str, config: dict | None) -> str:
 
 def _same_config(saved: dict | None, config: TrainConfig) -> bool:
   # A run saved before a config field existed ran with that field's default.
-  saved = json.loads(json.dumps(config_lib.with_defaults(saved or {})))
-  return saved == json.loads(json.dumps(dataclasses.asdict(config)))
+  saved = json.loads(json.dumps(config_lib.comparable(saved or {})))
+  return saved == json.loads(json.dumps(config_lib.comparable(dataclasses.asdict(config))))
 
 
 def finished_summary(out: pathlib.Path, config: TrainConfig) -> dict | None:

@@ -31,7 +31,7 @@ _AS_DEFAULT = object()
 
 
 def setting(default: Any, help: str, *, structural: bool, choices=None, kind=None,  # pylint: disable=redefined-builtin
-            before: Any = _AS_DEFAULT):
+            before: Any = _AS_DEFAULT, saved_none: Any = None):
   """A config field with its help text, allowed values and resume rule.
 
   Args:
@@ -43,11 +43,13 @@ def setting(default: Any, help: str, *, structural: bool, choices=None, kind=Non
       that of ``default``.
     before: what runs saved before the field existed did, when that is not
       ``default`` (:func:`with_defaults`).
+    saved_none: what a saved ``None`` did, for a field whose default was
+      ``None`` once and is a value now (:func:`with_defaults`).
   """
   kind = kind or type(default)
   return dataclasses.field(default=default, metadata={
       "help": help, "structural": structural, "choices": choices, "kind": kind,
-      "before": default if before is _AS_DEFAULT else before})
+      "before": default if before is _AS_DEFAULT else before, "saved_none": saved_none})
 
 
 _ENCODINGS = tuple(skewadam_jax.ENCODINGS)
@@ -69,7 +71,8 @@ class TrainConfig:
   seq_len: int | None = setting(None, "tokens per sequence (default: the preset's "
                                 "maximum)", structural=True, kind=int)
   lr: float | None = setting(None, "peak learning rate (default: the optimizer's "
-                             "sweep centre, experiments/training/optimizers.py)",
+                             "sweep centre; SkewAdam's orthogonal tiers' 1600-step best, "
+                             "experiments.training.optimizers.default_lr)",
                              structural=True, kind=float)
   warmup_steps: int = setting(60, "linear warmup steps before the decay",
                               structural=True)
@@ -155,13 +158,19 @@ class TrainConfig:
   router_second_moment: str | None = setting(
       None, "SkewAdam router second moment (default: the library's)",
       structural=True, choices=_FORMS, kind=str)
+  # The two directions are the training command's own defaults, not the
+  # library's (adam): the rule of experiments.studies.comparison.choose_default
+  # chose the orthogonal tiers on the 1600-step comparison
+  # (experiments/results/compare-long.json). A saved None is the library's.
   backbone_direction: str | None = setting(
-      None, "SkewAdam backbone update direction for matrices: adam or orthogonal "
-      "(Newton-Schulz, as Muon; default: the library's)", structural=True,
-      choices=_DIRECTIONS, kind=str)
+      optimizers.DEFAULT_DIRECTION, "SkewAdam backbone update direction for matrices: "
+      "adam (the library's skewadam()), orthogonal (Newton-Schulz, as Muon; "
+      "skewadam_jax.skewadam_orthogonal()) or normalized_orthogonal", structural=True,
+      choices=_DIRECTIONS, kind=str, saved_none=optimizers.LIBRARY_DIRECTION)
   expert_direction: str | None = setting(
-      None, "SkewAdam expert-bank update direction (as --backbone-direction)",
-      structural=True, choices=_DIRECTIONS, kind=str)
+      optimizers.DEFAULT_DIRECTION, "SkewAdam expert-bank update direction (as "
+      "--backbone-direction)", structural=True, choices=_DIRECTIONS, kind=str,
+      saved_none=optimizers.LIBRARY_DIRECTION)
   backbone_orthogonal_scale: str | None = setting(
       None, "with an orthogonal backbone direction: its update scale, adam_rms (Adam's "
       "update RMS) or width (Muon's sqrt(max(1, d_out/d_in))); default: the library's",
@@ -209,14 +218,18 @@ class TrainConfig:
     :data:`optimizers.REST_TIER` with ``--orthogonal-rest-tier``'s value
     (:func:`optimizers.tier_configs` leaves it out for the library)."""
     tiers = {}
+    # The library's arguments: its own direction is left out, so a step with
+    # Adam's direction has the same tiers as one planned before the training
+    # command's default changed.
+    library = lambda d: None if d == optimizers.LIBRARY_DIRECTION else d
     expert = {k: v for k, v in (("momentum", self.expert_momentum),
-                                ("direction", self.expert_direction),
+                                ("direction", library(self.expert_direction)),
                                 ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
     if expert:
       tiers["expert"] = expert
     backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
                                   ("second_moment", self.backbone_second_moment),
-                                  ("direction", self.backbone_direction),
+                                  ("direction", library(self.backbone_direction)),
                                   ("orthogonal_scale", self.backbone_orthogonal_scale)) if v}
     if backbone:
       tiers["backbone"] = backbone
@@ -318,10 +331,36 @@ def with_defaults(saved: dict) -> dict:
 
   A field added to :class:`TrainConfig` after a run was saved takes what that
   run did: its default, or the field's ``before`` value where the default
-  changed behaviour (``sample_tokens``: runs sampled no text before it).
+  changed behaviour (``sample_tokens``: runs sampled no text before it). A
+  saved ``None`` of a field whose ``None`` meant a value that is no longer
+  the default is that value (``backbone_direction``: ``None`` was the
+  library's ``adam``, the default is now ``orthogonal``).
+
+  Example:
+    >>> with_defaults({"backbone_direction": None})["backbone_direction"]
+    'adam'
   """
-  defaults = {f.name: f.metadata["before"] for f in dataclasses.fields(TrainConfig)}
-  return {**defaults, **saved}
+  fields = dataclasses.fields(TrainConfig)
+  defaults = {f.name: f.metadata["before"] for f in fields}
+  was_none = {f.name: f.metadata["saved_none"] for f in fields
+              if f.metadata["saved_none"] is not None and saved.get(f.name, 0) is None}
+  return {**defaults, **saved, **was_none}
+
+
+def comparable(config: dict) -> dict:
+  """A saved or current configuration as two runs of one setting compare it.
+
+  :func:`with_defaults`, and SkewAdam's tier fields blanked for the other
+  optimizers, which do not read them (an AdamW run is the same run whatever
+  the training command's SkewAdam default was when it was saved).
+
+  Example:
+    >>> comparable({"optimizer": "adamw", "expert_direction": "orthogonal"})["expert_direction"]
+  """
+  config = with_defaults(config)
+  if config.get("optimizer") != "skewadam":
+    config.update(dict.fromkeys(TIER_FIELDS))
+  return config
 
 
 def resume_check(config: dict, data_fingerprint: str | None = None):
@@ -340,11 +379,13 @@ def resume_check(config: dict, data_fingerprint: str | None = None):
     >>> check({"config": {"optimizer": "adamw"}, "data_fingerprint": "abc"}) is None
     True
   """
+  current = comparable(config)
+
   def check(meta: dict) -> str | None:
-    saved = with_defaults(meta.get("config", {}))
+    saved = comparable(meta.get("config", {}))
     for field in STRUCTURAL_FIELDS:
-      if field in config and saved.get(field) != config[field]:
-        return f"has {field}={saved.get(field)!r} but this run has {field}={config[field]!r}"
+      if field in config and saved.get(field) != current[field]:
+        return f"has {field}={saved.get(field)!r} but this run has {field}={current[field]!r}"
     if (data_fingerprint is not None and "data_fingerprint" in meta
         and meta["data_fingerprint"] != data_fingerprint):
       return (f"has data_fingerprint={meta['data_fingerprint']!r} but this run has "
@@ -410,18 +451,27 @@ def from_args(args) -> TrainConfig:
   return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
-def tier_fields(tiers: dict) -> dict:
+def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
   """The :data:`TIER_FIELDS` values that give SkewAdam's ``tiers`` (the inverse of
   :meth:`TrainConfig.skewadam_tiers`).
+
+  ``tiers`` are the library's arguments, so a tier's direction they leave out
+  is the library's (``adam``), not the training command's default; with
+  ``library_directions=False`` (a configuration file's ``tiers`` table, which
+  amends the training command's settings) it is left to the default.
 
   Raises:
     ValueError: naming a tier setting no flag spells.
 
   Example:
-    >>> tier_fields({"expert": {"momentum": "int8"}, "router": {"second_moment": "exact"}})
+    >>> tier_fields({"expert": {"momentum": "int8"}, "router": {"second_moment": "exact"}},
+    ...             library_directions=False)
     {'expert_momentum': 'int8', 'router_second_moment': 'exact'}
+    >>> tier_fields({"expert": {"direction": "orthogonal"}})
+    {'backbone_direction': 'adam', 'expert_direction': 'orthogonal'}
   """
-  fields = {}
+  fields = ({f"{tier}_direction": optimizers.LIBRARY_DIRECTION for tier in ("backbone", "expert")}
+            if library_directions else {})
   for tier, settings in tiers.items():
     if tier == optimizers.REST_TIER:
       fields["orthogonal_rest_tier"] = settings
@@ -516,7 +566,7 @@ def load_config_file(path) -> dict:
     for key, value in table.items():
       where = f"{path}: [{section}]"
       if section == "optimizer" and key == "tiers" and isinstance(value, dict):
-        for name, tier_value in tier_fields(value).items():
+        for name, tier_value in tier_fields(value, library_directions=False).items():
           values[name] = _check_type(name, tier_value, f"{where} tiers")
         continue
       if key not in home:

@@ -43,10 +43,36 @@ from models import axes as model_axes
 
 OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor")
 
-# Starting learning rates: the centre of the comparison's sweep grid (not yet
-# tuned; experiments.compare sweeps around them).
+# Starting learning rates: the centre of the comparison's sweep grid
+# (experiments.compare sweeps around them); SkewAdam's by its expert tier's
+# direction (default_lr).
 DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
               "adafactor": 3e-3}
+# The library's update direction (skewadam_jax.skewadam) and the training
+# command's default for both tiers' matrices: the orthogonal tiers
+# (skewadam_jax.skewadam_orthogonal), which the comparison's rule chose
+# (experiments.studies.comparison.choose_default on compare-long.json).
+LIBRARY_DIRECTION = "adam"
+DEFAULT_DIRECTION = "orthogonal"
+# SkewAdam's rate by the expert tier's direction: the orthogonal ones are the
+# 1600-step sweep's best (experiments/results/compare-long.json); Adam's is
+# the sweep centre (its 1600-step best, 4.5e-3, is in the same file).
+SKEWADAM_LR = {"adam": DEFAULT_LR["skewadam"], "orthogonal": 1.35e-2,
+               "normalized_orthogonal": 2.7e-2}
+
+
+def default_lr(optimizer: str, skewadam_tiers: dict | None = None) -> float:
+  """The rate a run of ``optimizer`` takes without ``--lr``.
+
+  Example:
+    >>> default_lr("skewadam", {"expert": {"direction": "orthogonal"}})
+    0.0135
+    >>> default_lr("skewadam", {})  # the library's direction
+    0.003
+  """
+  if optimizer != "skewadam":
+    return DEFAULT_LR[optimizer]
+  return SKEWADAM_LR[_direction((skewadam_tiers or {}).get("expert", {}))]
 
 Axes = Mapping[str, tuple]  # {path: logical axis names}, from models.logical_axes
 

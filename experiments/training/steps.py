@@ -57,7 +57,8 @@ class TrainStep(NamedTuple):
 
 def learning_rate_schedule(config):
   """The run's schedule: warmup to ``--lr`` (or the optimizer's default), then ``--schedule``."""
-  lr = config.lr if config.lr is not None else optimizers.DEFAULT_LR[config.optimizer]
+  lr = (config.lr if config.lr is not None
+        else optimizers.default_lr(config.optimizer, config.skewadam_tiers()))
   return optimizers.lr_schedule(lr, config.steps, config.warmup_steps, kind=config.schedule,
                                 decay_fraction=config.decay_fraction)
 

@@ -18,16 +18,16 @@ from experiments.training import optimizers
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
   # The SkewAdam configuration is the default, spelt out: it must run once.
   argv = ["--preset", "tiny", "--optimizers", "adamw,skewadam", "--skewadam-configs",
-          ",".join(f"{k}={v}" for k, v in comparison.resolve_config({}).items()),
+          ",".join(f"{k}={v}" for k, v in sweeps.default_config().items()),
           "--steps", "4", "--sweep-steps", "4", "--lr-factors", "1,3", "--seeds", "0,1",
           "--batch-size", "4", "--data", corpus, "--out", str(tmp_path / "cmp"), "--quick"]
   monkeypatch.setattr(sweeps.training, "train", _with_cache(sweeps.training.train, cache_dir))
   assert compare.main(argv) == 0
   rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
   assert [(r["optimizer"], r["config"], comparison.is_default(r)) for r in rows] == [
-      ("adamw", "default", True), ("skewadam", comparison.resolve_config({}), True)]
+      ("adamw", "default", True), ("skewadam", sweeps.default_config(), True)]
   assert not comparison.is_default({"optimizer": "skewadam",
-                                 "config": comparison.resolve_config({"expert_m": "int8"})})
+                                 "config": sweeps.resolve_config({"expert_m": "int8"})})
   for r in rows:
     for key in ("optimizer", "config", "lr", "seeds", "val_ppl_mean", "val_ppl_std",
                 "opt_state_bytes_small", "opt_state_bytes_6p78b", "step_time_ratio_to_adamw"):
@@ -127,7 +127,7 @@ def _seeded(optimizer, seeds, **config):
 
 
 def test_the_verdict_orders_a_pair_only_outside_twice_the_seed_spread():
-  default = _seeded("skewadam", [100.0, 102.0, 104.0], **comparison.resolve_config({}))
+  default = _seeded("skewadam", [100.0, 102.0, 104.0], **sweeps.default_config())
   adamw = _seeded("adamw", [101.0, 104.0, 107.0])     # 4 apart, spread 3: a tie
   muon = _seeded("muon", [80.0, 81.0, 82.0])         # 21 apart, spread 2
   text = comparison.verdict_text([adamw, default, muon])
@@ -139,7 +139,7 @@ def test_the_verdict_orders_a_pair_only_outside_twice_the_seed_spread():
   adamw_row = {**adamw, "opt_state_bytes_6p78b": 54e9}
   assert "matches AdamW only by the spread rule (a tie, not a win)" in comparison.choice_text(
       [adamw_row, {**default, "opt_state_bytes_6p78b": 1.2e9}])
-  clear = _seeded("skewadam", [90.0, 90.5, 91.0], **comparison.resolve_config({}))
+  clear = _seeded("skewadam", [90.0, 90.5, 91.0], **sweeps.default_config())
   assert "tie" not in comparison.choice_text([adamw_row, {**clear, "opt_state_bytes_6p78b": 1.2e9}])
 
 
@@ -161,7 +161,20 @@ def test_library_defaults_are_the_committed_comparisons_choice():
   rows = json.loads(RESULTS.read_text())
   choice = comparison.choose_default(rows)
   assert choice is not None
-  assert choice["config"] == comparison.resolve_config({})
+  assert choice["config"] == sweeps.resolve_config({})  # the library's skewadam()
+
+
+LONG = RESULTS.with_name("compare-long.json")
+PLANS = RESULTS.with_name("memory")
+
+
+def test_the_training_commands_default_is_the_long_comparisons_choice():
+  # The stated rule: the best perplexity at the long horizon within 1.29 GB at
+  # moe-6.78b whose standard train step fits the A100-40GB target.
+  choice = comparison.choose_default(json.loads(LONG.read_text()),
+                                     reports=comparison.load_reports(PLANS))
+  assert choice is not None and choice["config"] == sweeps.default_config()
+  assert optimizers.default_lr("skewadam", comparison.row_tiers(choice)) == pytest.approx(choice["lr"])
 
 
 def test_merge_rows_replaces_rerun_rows_and_recomputes_step_time_ratios(tmp_path):
@@ -200,7 +213,8 @@ def test_fixed_learning_rates_skip_the_sweep(monkeypatch, tmp_path):
   monkeypatch.setattr(comparison.accounting, "state_bytes", lambda *a, **k: {"total": 1})
   orthogonal = {"expert_dir": "orthogonal"}
   saved = [{"optimizer": "muon", "config": "default", "lr": 0.03},
-           {"optimizer": "skewadam", "config": comparison.resolve_config(orthogonal), "lr": 0.01}]
+           {"optimizer": "skewadam", "config": sweeps.resolve_entry("skewadam", orthogonal),
+            "lr": 0.01}]
   rows = comparison.compare([("muon", None), ("skewadam", orthogonal)],
                          base=comparison.TrainConfig(), out_dir=tmp_path, steps=8, sweep_steps=2,
                          seeds=(0, 1, 2), log=lambda m: None, fixed_lrs=saved)
@@ -213,9 +227,9 @@ def test_fixed_learning_rates_skip_the_sweep(monkeypatch, tmp_path):
 
 def test_update_directions_appear_in_a_row_only_when_not_adam():
   # Rows saved before the direction keys existed keep their identity.
-  assert "expert_dir" not in comparison.resolve_config({})
-  assert comparison.resolve_config({"expert_dir": "adam"}) == comparison.resolve_config({})
-  ortho = comparison.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal"})
+  assert "expert_dir" not in sweeps.resolve_config({})
+  assert sweeps.resolve_config({"expert_dir": "adam"}) == sweeps.resolve_config({})
+  ortho = sweeps.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal"})
   assert ortho["backbone_dir"] == ortho["expert_dir"] == "orthogonal"
   tiers = comparison.TrainConfig(**comparison.train_overrides(ortho)).skewadam_tiers()
   assert tiers["expert"]["direction"] == tiers["backbone"]["direction"] == "orthogonal"
@@ -224,9 +238,9 @@ def test_update_directions_appear_in_a_row_only_when_not_adam():
 def test_the_attribution_keys_appear_only_when_set_and_reach_the_tiers():
   # The orthogonal row's identity (and its runs' folders) is unchanged by the new keys.
   ortho = {"backbone_dir": "orthogonal", "expert_dir": "orthogonal"}
-  assert comparison.resolve_config(ortho) == comparison.resolve_config(
+  assert sweeps.resolve_config(ortho) == sweeps.resolve_config(
       {**ortho, "backbone_scale": "adam_rms", "expert_scale": "adam_rms", "rest": "backbone"})
-  row = comparison.resolve_config({**ortho, "expert_scale": "width", "rest": "router"})
+  row = sweeps.resolve_config({**ortho, "expert_scale": "width", "rest": "router"})
   assert row["expert_scale"] == "width" and row["rest"] == "router"
   assert "backbone_scale" not in row
   tiers = comparison.TrainConfig(**comparison.train_overrides(row)).skewadam_tiers()

@@ -60,6 +60,6 @@ def test_memory_table_sets_matmul_flops_against_the_first_row_and_says_what_was_
   cells = [[c.strip() for c in line.split("|")[1:-1]]
            for line in planner.markdown_table(rows).splitlines()[2:]]
   assert cells[0][3:] == ["13.55 GB", "30.00 GB", "yes", "12", "1.00×"]
-  assert cells[1][1] == "defaults, update in backward (stale clip)"
+  assert cells[1][1] == "skewadam()'s defaults, update in backward (stale clip)"
   assert cells[1][3:] == ["0.69 GB", "30.00 GB", "yes", "not searched", "1.77×"]
   assert cells[2][1:] == ["fp32 state", "1.00 GB", "—", "30.00 GB", "yes", "0", "—"]

@@ -70,8 +70,9 @@ def test_a_file_sets_the_fields_and_the_command_line_overrides_it(my_moe):
   model = config.model_config()
   assert (model.num_layers, model.d_model, model.num_experts, model.top_k, model.d_ff) == (
       3, 64, 8, 2, 96)
-  assert config.skewadam_tiers() == {"expert": {"momentum": "int8"},
-                                     "backbone": {"momentum": "bf16"}}
+  # A file's tiers amend the training command's defaults (orthogonal directions).
+  assert config.skewadam_tiers() == {"expert": {"momentum": "int8", "direction": "orthogonal"},
+                                     "backbone": {"momentum": "bf16", "direction": "orthogonal"}}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -115,8 +116,9 @@ def test_my_own_moe_trains_from_its_file_and_the_planner_plans_the_same_file(
   report = json.loads(capsys.readouterr().out)
   assert report["num_params"] == summary["num_params"]
   assert report["opt_state_bytes_by_tier"] == summary["opt_state_bytes_by_tier"]
-  assert report["skewadam_tiers"] == {"expert": {"momentum": "int8"},
-                                      "backbone": {"momentum": "bf16"}}
+  assert report["skewadam_tiers"] == {
+      "expert": {"momentum": "int8", "direction": "orthogonal"},
+      "backbone": {"momentum": "bf16", "direction": "orthogonal"}}
 
 
 def test_the_shipped_example_file_is_a_valid_configuration():
@@ -124,7 +126,8 @@ def test_the_shipped_example_file_is_a_valid_configuration():
   config = config_lib.TrainConfig(**values)
   config.validate()
   assert config.model_config().num_experts == 16 and config.skewadam_tiers() == {
-      "expert": {"momentum": "sign"}}
+      "expert": {"momentum": "sign", "direction": "orthogonal"},
+      "backbone": {"direction": "orthogonal"}}
 
 
 @pytest.mark.parametrize("name", sorted(models.PRESETS))
@@ -161,3 +164,19 @@ def test_a_preset_file_names_its_bad_key(tmp_path):
   path.write_text("[run]\nsteps = 1\n")
   with pytest.raises(ValueError, match="no \\[model\\] table"):
     models.load_preset_file(path)
+
+
+def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
+  # A saved None was the library's direction (adam); the default is now orthogonal.
+  saved = {"optimizer": "skewadam", "backbone_direction": None, "expert_direction": None}
+  check = config_lib.resume_check(dataclasses.asdict(config_lib.TrainConfig()))
+  assert "backbone_direction='adam'" in check({"config": saved})
+  adam = config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")
+  assert config_lib.resume_check(dataclasses.asdict(adam))({"config": saved}) is None
+  assert adam.skewadam_tiers() == {} and config_lib.TrainConfig().skewadam_tiers() == {
+      "backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"}}
+  # Another optimizer does not read the tier fields: its old runs are the same runs.
+  adamw = dataclasses.asdict(config_lib.TrainConfig(optimizer="adamw"))
+  assert config_lib.resume_check(adamw)({"config": {**saved, "optimizer": "adamw"}}) is None
+  # A planner report's tiers are the library's arguments: no direction is adam.
+  assert config_lib.tier_fields({})["expert_direction"] == "adam"

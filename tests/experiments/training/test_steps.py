@@ -40,7 +40,9 @@ def test_the_planner_compiles_the_step_the_training_command_runs(flags, corpus, 
 def test_the_planners_flags_give_the_training_commands_configuration():
   config = planner.train_config("tiny", "skewadam", skewadam_tiers={"expert": {"momentum": "int8"}},
                                 update_in_backward=True, clip_mode="stale", param_dtype="float32")
+  # A report's tiers are the library's arguments: a direction they leave out is Adam's.
   assert config == config_lib.TrainConfig(preset="tiny", expert_momentum="int8",
+                                          backbone_direction="adam", expert_direction="adam",
                                           update_in_backward=True, clip_mode="stale",
                                           param_dtype="float32")
   with pytest.raises(ValueError, match="tier setting expert.moment has no training flag"):
