@@ -3,7 +3,8 @@
 :func:`skewadam` keeps the article's rule: Adam's direction ``m̂ / √v̂`` in
 every tier. :func:`skewadam_orthogonal` is the configuration that measured
 best at SkewAdam's memory in this project's long comparison
-(``experiments/results/compare-long-progress.json``): the backbone and expert
+(``experiments/results/compare-long.json``), and the training command's
+default: the backbone and expert
 matrices step along the Newton–Schulz orthogonal factor of their momentum (Muon's
 direction), stored in the tiers' compact encodings, while embeddings, the
 unembedding, vectors and the router keep Adam's direction, as Muon's AdamW part
@@ -131,7 +132,7 @@ def skewadam_orthogonal(
   configuration with: ``b2=0.95``, ``weight_decay=0.1`` on declared matrices,
   a global-norm clip of 1.0 inside the step (``max_grad_norm``). The
   learning rate has no default, as in optax; the long comparison's sweep
-  (``experiments/results/compare-long-progress.json``, the 4.46M-parameter
+  (``experiments/results/compare-long.json``, the 4.46M-parameter
   ``small`` preset, 1600 steps, 10 % warmup then cosine decay) chose
   ``1.35e-2``, 3× AdamW's best rate there. ``orthogonal_scale="width"`` in a
   tier config takes Muon's scaling and rates instead.

@@ -419,9 +419,10 @@ def test_the_committed_plans_say_which_measured_configurations_fit():
   reports = comparison.load_reports(pathlib.Path(__file__).parents[2] / "experiments" / "results"
                                     / "memory")
   long = json.loads((pathlib.Path(__file__).parents[2] / "experiments" / "results"
-                     / "compare-long-progress.json").read_text())
+                     / "compare-long.json").read_text())
   skewadam = [r for r in long if r["optimizer"] == "skewadam"]
-  # The default (skewadam.json), the orthogonal and the normalised rows: all planned, all fit.
+  # Adam's direction (skewadam-adam.json), the orthogonal default (skewadam.json) and the
+  # normalised rows: all planned, all fit.
   assert len(skewadam) == 3 and all(comparison.standard_step_fits(r, reports) for r in skewadam)
   assert sorted(r["config"].get("backbone_dir", "adam") for r in skewadam) == [
       "adam", "normalized_orthogonal", "orthogonal"]
