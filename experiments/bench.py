@@ -328,7 +328,10 @@ def bench_updates(params, *, repeats: int, rounds: int = 3) -> dict:
 
 # The train steps compared: name → TrainConfig overrides.
 TRAIN_STEPS = {
-    "skewadam": {"optimizer": "skewadam"},
+    # The library's skewadam() (Adam's direction), spelt out: the training
+    # command's default is the orthogonal row.
+    "skewadam": {"optimizer": "skewadam", "backbone_direction": "adam",
+                 "expert_direction": "adam"},
     "adamw": {"optimizer": "adamw"},
     "skewadam orthogonal": {"optimizer": "skewadam", "backbone_direction": "orthogonal",
                             "expert_direction": "orthogonal"},
