@@ -1,6 +1,6 @@
 """The optimizer comparison: same model, data, token budget and seeds; each optimizer at its own tuned learning rate.
 
-    python -m experiments.compare --quick            # AdamW, SkewAdam, Muon: ~8 min on 2 CPU cores
+    python -m experiments.compare --quick            # AdamW, SkewAdam, Muon: 9-23 min on 2 CPU cores
     python -m experiments.compare                    # the full protocol
 
     python -m experiments.compare --ablation --out experiments/results
