@@ -162,9 +162,12 @@ def train_command_layerwise(tmp: pathlib.Path) -> dict:
   and the memory planner's compiled step for that configuration against the command's."""
   from experiments.planning import planner  # pylint: disable=import-outside-toplevel
   corpus = _write_corpus(tmp / "corpus-layerwise", seed=1)
+  # Adam's direction: this checks the layerwise engine on a mesh, not the direction
+  # (the default's orthogonal step on 8 devices: train_command above and the
+  # planner's devices tests), and Newton-Schulz's compiles would double its time.
   settings = dict(preset="tiny", update_in_backward=True, steps=3, batch_size=8, seq_len=16,
                   eval_batches=1, warmup_steps=1, data=str(corpus), log_every=1,
-                  sample_tokens=0)
+                  sample_tokens=0, backbone_direction="adam", expert_direction="adam")
 
   def steps_of(run):
     """The references: ``run``'s own train step over the command's first 3 batches."""
