@@ -94,8 +94,8 @@ def train_overrides(config: dict) -> dict:
     >>> train_overrides({"expert_m": "int8"})
     {'backbone_direction': 'adam', 'expert_direction': 'adam', 'expert_momentum': 'int8'}
   """
-  directions = {TIER_KEYS[key][2]: IMPLICIT[key] for key in ("backbone_dir", "expert_dir")}
-  return {**directions, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
+  library = {TIER_KEYS[key][2]: IMPLICIT[key] for key in TRAIN_DEFAULT}
+  return {**library, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
 
 
 def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str, dict | None]]:
@@ -120,8 +120,9 @@ def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str
 # The training command's default SkewAdam configuration where it is not the
 # library's: what a sweep's entry (`--optimizers skewadam`, a partial
 # `--skewadam-configs`) starts from, so that it runs what `train` runs.
-TRAIN_DEFAULT = {"backbone_dir": optimizers.DEFAULT_DIRECTION,
-                 "expert_dir": optimizers.DEFAULT_DIRECTION}
+TRAIN_DEFAULT = {key: TrainConfig.__dataclass_fields__[field].default
+                 for key, (_, _, field) in TIER_KEYS.items()
+                 if TrainConfig.__dataclass_fields__[field].default is not None}
 
 
 def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
