@@ -352,24 +352,31 @@ def verdict_text(rows: Sequence[dict]) -> str:
 
   Each pair is ordered only when its difference exceeds :data:`NOISE_MULTIPLE`
   times the larger seed spread (std), so a verdict does not flip with the CPU
-  type, whose code changes the seeds' results.
+  type, whose code changes the seeds' results. A row of one seed has no spread:
+  its pairs get their differences and no ordering.
   """
   default = next((r for r in rows if r["optimizer"] == "skewadam" and is_default(r)), None)
   if default is None:
     return "No row of SkewAdam's default: no verdict."
-  parts = []
+  parts, one_seed = [], False
   for other in ("adamw", "muon"):
     row = next((r for r in rows if r["optimizer"] == other), None)
     if row is None:
       continue
     order, margin = ordering(default, row)
     diff = default["val_ppl_mean"] - row["val_ppl_mean"]
-    if order == "within noise":
+    if min(len(default.get("val_ppl_by_seed", ())), len(row.get("val_ppl_by_seed", ()))) < 2:
+      one_seed = True
+      parts.append(f"against {other}: difference {diff:+.2f}")
+    elif order == "within noise":
       parts.append(f"against {other}: within noise (difference {diff:+.2f}, "
                    f"{margin:.1f}x the larger seed spread, at most {NOISE_MULTIPLE}x)")
     else:
       parts.append(f"against {other}: {order} perplexity by {abs(diff):.2f} "
                    f"({margin:.1f}x the larger seed spread)")
+  if one_seed:
+    return ("No verdict for SkewAdam's default: a row of one seed has no seed spread to "
+            "order a pair by; " + "; ".join(parts) + ".")
   seeds = len(default.get("val_ppl_by_seed", ()))
   return f"Verdict for SkewAdam's default ({seeds} seeds): " + "; ".join(parts) + "."
 
@@ -445,6 +452,17 @@ def _tokens(row: dict) -> str:
   return f"{tokens[-1] / 1e6:.2f}M" if tokens else "?"
 
 
+def _legend_below(ax) -> None:
+  """The legend under the axes, one row a line: a SkewAdam row's name spells its
+  whole configuration, wider than the plot."""
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+
+
+def _save(fig, path: pathlib.Path) -> None:
+  # bbox_inches="tight" grows the image to hold a legend or labels outside the axes.
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
 def plot_horizons(shorter: Sequence[dict], longer: Sequence[dict],
                   path: pathlib.Path) -> pathlib.Path:
   """Validation perplexity against tokens (seed 0) for both horizons: the shorter dashed."""
@@ -457,9 +475,8 @@ def plot_horizons(shorter: Sequence[dict], longer: Sequence[dict],
       ax.plot(*_curve(short[row_key(r)]), "--", color=line.get_color())
   ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
          title="Validation perplexity (seed 0): longer horizon solid, shorter dashed")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  _legend_below(ax)
+  _save(fig, path)
   plt.close(fig)
   return path
 
@@ -474,17 +491,15 @@ def plot(rows: Sequence[dict], out_dir: pathlib.Path, prefix: str = "") -> list[
     ax.plot(*_curve(r), marker="o", markersize=3, label=name)
   ax.set(xlabel="training tokens", ylabel="validation perplexity", yscale="log",
          title="Validation perplexity (seed 0)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
+  _legend_below(ax)
   paths = [out_dir / f"{prefix}val_ppl.png"]
-  fig.savefig(paths[-1], dpi=120)
+  _save(fig, paths[-1])
   fig, ax = plt.subplots(figsize=(11, 5))
   ax.barh(names, [r["opt_state_bytes_6p78b"] / 1e9 for r in rows])
   ax.set(xlabel="optimizer state at moe-6.78b (GB)", xscale="log",
          title="Optimizer state for the 6.78B MoE")
-  fig.tight_layout()
   paths.append(out_dir / f"{prefix}state_bytes.png")
-  fig.savefig(paths[-1], dpi=120)
+  _save(fig, paths[-1])
   if any(r["optimizer"] == "skewadam" for r in rows):
     paths.append(_plot_frontier(plt, rows, names, out_dir / f"{prefix}frontier.png"))
   plt.close("all")
@@ -527,8 +542,7 @@ def _plot_frontier(plt, rows, names, path):
   ax.xaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
   ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
   ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  _save(fig, path)
   return path
 
 

@@ -143,6 +143,17 @@ def test_the_verdict_orders_a_pair_only_outside_twice_the_seed_spread():
   assert "tie" not in comparison.choice_text([adamw_row, {**clear, "opt_state_bytes_6p78b": 1.2e9}])
 
 
+def test_rows_of_one_seed_get_differences_and_no_ordering():
+  default = {**_row("skewadam", 76.67, 0.0, 1.2e9, **sweeps.default_config()),
+             "val_ppl_by_seed": [76.67]}
+  adamw = {**_row("adamw", 129.48, 0.0, 54e9), "val_ppl_by_seed": [129.48]}
+  muon = _seeded("muon", [74.0, 74.5, 75.0])  # one side of one seed is enough
+  text = comparison.verdict_text([adamw, default, muon])
+  assert text == ("No verdict for SkewAdam's default: a row of one seed has no seed spread to "
+                  "order a pair by; against adamw: difference -52.81; against muon: "
+                  "difference +2.17.")
+
+
 def test_the_quick_table_has_no_timing_and_names_the_machine():
   row = {**_seeded("adamw", [101.0, 104.0]), "lr": 9e-3, "opt_state_bytes_small": 3e7,
          "step_time_ratio_to_adamw": 1.0}
