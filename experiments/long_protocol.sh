@@ -68,6 +68,9 @@ attribution width-scale "$(lr_of muon adam)" --backbone-orthogonal-scale width \
     --expert-orthogonal-scale width
 attribution b1-0.95 "$ORTHO_LR" --b1 0.95
 attribution fp32-momentum "$ORTHO_LR" --backbone-momentum fp32 --expert-momentum fp32
+# Which tier's compact momentum costs the most: fp32 in one tier at a time.
+attribution fp32-expert-momentum "$ORTHO_LR" --expert-momentum fp32
+attribution fp32-backbone-momentum "$ORTHO_LR" --backbone-momentum fp32
 # The rows against the orthogonal row's seed-0 run (nothing trains).
 "$PYTHON" -m experiments.compare --runs-table "$(ls -d "$ATTRIBUTION"/*/ | paste -sd, -)" \
     --baseline "$RUNS/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-sweep-lr$(
