@@ -363,12 +363,13 @@ def verdict_text(rows: Sequence[dict]) -> str:
     row = next((r for r in rows if r["optimizer"] == other), None)
     if row is None:
       continue
-    order, margin = ordering(default, row)
     diff = default["val_ppl_mean"] - row["val_ppl_mean"]
     if min(len(default.get("val_ppl_by_seed", ())), len(row.get("val_ppl_by_seed", ()))) < 2:
       one_seed = True
       parts.append(f"against {other}: difference {diff:+.2f}")
-    elif order == "within noise":
+      continue
+    order, margin = ordering(default, row)
+    if order == "within noise":
       parts.append(f"against {other}: within noise (difference {diff:+.2f}, "
                    f"{margin:.1f}x the larger seed spread, at most {NOISE_MULTIPLE}x)")
     else:
