@@ -71,6 +71,9 @@ attribution fp32-momentum "$ORTHO_LR" --backbone-momentum fp32 --expert-momentum
 # Which tier's compact momentum costs the most: fp32 in one tier at a time.
 attribution fp32-expert-momentum "$ORTHO_LR" --expert-momentum fp32
 attribution fp32-backbone-momentum "$ORTHO_LR" --backbone-momentum fp32
+# Within the budget: the article's expert tier (no momentum) and a shorter momentum.
+attribution no-expert-momentum "$ORTHO_LR" --expert-momentum none
+attribution b1-0.85 "$ORTHO_LR" --b1 0.85
 # The rows against the orthogonal row's seed-0 run (nothing trains).
 "$PYTHON" -m experiments.compare --runs-table "$(ls -d "$ATTRIBUTION"/*/ | paste -sd, -)" \
     --baseline "$RUNS/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-sweep-lr$(
