@@ -25,7 +25,9 @@ expert's matrix is orthogonalised on its own.
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +40,76 @@ NS_STEPS = 5
 ADAM_RMS = 0.2
 
 
+# One float32 copy of a chunk of matrices is at most this many elements (64 MB) under the
+# "auto" chunking: a few such copies are Newton–Schulz's whole working set, whatever the bank.
+AUTO_CHUNK_ELEMENTS = 1 << 24
+CHUNKINGS = ("auto", "all")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def check_chunk(chunk) -> None:
+  """Raises ``ValueError`` unless ``chunk`` is ``"auto"``, ``"all"`` or a positive int."""
+  if chunk in CHUNKINGS:
+    return
+  if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+    raise ValueError(f"orthogonal chunk must be 'auto', 'all' or a positive int (matrices at "
+                     f"once), got {chunk!r}.")
+
+
+def chunk_size(count: int, matrix_elements: int, chunk="auto") -> int:
+  """How many of ``count`` stacked matrices are orthogonalised at once.
+
+  ``chunk``: ``"all"`` (every one: the working set grows with the stack),
+  an int (at most that many), or ``"auto"`` (at most
+  ``AUTO_CHUNK_ELEMENTS // matrix_elements``, at least one). The size is the
+  largest divisor of ``count`` within that bound, so every chunk is alike
+  and the loop compiles one body.
+
+  Examples:
+    >>> chunk_size(64, 1024 * 1400), chunk_size(8, 4096 * 14336), chunk_size(64, 10, 12)
+    (8, 1, 8)
+  """
+  check_chunk(chunk)
+  if chunk == "all":
+    return count
+  bound = max(1, AUTO_CHUNK_ELEMENTS // max(1, matrix_elements)) if chunk == "auto" else chunk
+  return max(d for d in range(1, min(bound, count) + 1) if count % d == 0)
+
+
+def map_in_chunks(fn, tree, axis: int, size: int):
+  """``fn`` over chunks of ``size`` entries of ``axis`` of every leaf of ``tree``, in a loop.
+
+  The chunks are strided: entry ``j·(n/size) + i`` of the axis is member ``j``
+  of chunk ``i``. A bank sharded over that axis in contiguous blocks then keeps
+  its sharding on the members of every chunk (when ``size`` is a multiple of
+  the number of shards), so the loop reads no other device's matrices.
+  ``fn`` takes and returns trees whose leaves have the chunk on ``axis``; its
+  results are put back in the original order. One chunk (``size`` equal to
+  the axis) calls ``fn`` once, with no loop.
+  """
+  n = jax.tree.leaves(tree)[0].shape[axis]
+  if n % size:
+    raise ValueError(f"A chunk of {size} does not divide the axis of {n}.")
+  if size == n:
+    return fn(tree)
+  loops = n // size
+
+  def split(x):  # [..., n, ...] -> [loops, ..., size, ...]
+    x = jnp.moveaxis(x, axis, 0)
+    x = x.reshape((size, loops) + x.shape[1:])
+    return jnp.moveaxis(jnp.swapaxes(x, 0, 1), 1, axis + 1)
+
+  def merge(x):  # [loops, ..., size, ...] -> [..., n, ...]
+    x = jnp.swapaxes(jnp.moveaxis(x, axis + 1, 1), 0, 1)
+    return jnp.moveaxis(x.reshape((n,) + x.shape[2:]), 0, axis)
+
+  out = jax.lax.map(fn, jax.tree.map(split, tree))
+  return jax.tree.map(merge, out)
+
+
 def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int = NS_STEPS,
                   coeffs: tuple[float, float, float] = NS_COEFFS,
-                  eps: float = 1e-7) -> jax.Array:
+                  eps: float = 1e-7, dtype="float32", chunk="all") -> jax.Array:
   """The approximate orthogonal factor ``U Vᵀ`` of each matrix of ``x``, in float32.
 
   Args:
@@ -50,6 +119,12 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
     steps: Newton–Schulz iterations.
     coeffs: the iteration's ``(a, b, c)``.
     eps: added to the Frobenius norm, so a zero matrix stays zero.
+    dtype: the iterates' dtype: ``"float32"``, or ``"bfloat16"`` (each product
+      accumulated in float32 and the polynomial formed in float32, the iterate
+      stored in bfloat16: half the temporaries, Muon's usual precision).
+    chunk: how many matrices are iterated at once (:func:`chunk_size`):
+      ``"all"``, ``"auto"`` (a bounded working set) or a positive int. The
+      batch axes are flattened and looped over in chunks (:func:`map_in_chunks`).
 
   Returns:
     An array of ``x``'s shape whose matrices have the singular vectors of
@@ -61,30 +136,43 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
     >>> bool(jnp.all(jnp.abs(jnp.diag(q) - 1) < 0.35))
     True
   """
+  if dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"Unknown Newton–Schulz dtype {dtype!r}; expected one of {COMPUTE_DTYPES}.")
+  check_chunk(chunk)
   axes = MatrixAxes(*axes)
   rows = tuple(r % x.ndim for r in axes.row_axes)
   cols = tuple(c % x.ndim for c in axes.col_axes)
-  if len(rows) > 1 or len(cols) > 1:  # several axes a side: the flattened matrix
-    moved = jnp.moveaxis(x, rows + cols, tuple(range(-len(rows) - len(cols), 0)))
-    batch = moved.shape[:x.ndim - len(rows) - len(cols)]
-    flat = moved.reshape(batch + (math.prod(x.shape[r] for r in rows),
-                                  math.prod(x.shape[c] for c in cols)))
-    out = newton_schulz(flat, MatrixAxes(), steps=steps, coeffs=coeffs, eps=eps)
-    return jnp.moveaxis(out.reshape(moved.shape), tuple(range(-len(rows) - len(cols), 0)),
-                        rows + cols)
-  rows, cols = rows[0], cols[0]
+  r, c = len(rows), len(cols)
+  # Batch axes flattened to one leading axis and matrix sides to one axis each.
+  moved = jnp.moveaxis(x, rows + cols, tuple(range(x.ndim - r - c, x.ndim)))
+  batch = moved.shape[:x.ndim - r - c]
+  flat = moved.reshape((math.prod(batch), math.prod(x.shape[i] for i in rows),
+                        math.prod(x.shape[i] for i in cols)))
+  size = chunk_size(flat.shape[0], flat.shape[1] * flat.shape[2], chunk)
+  iterate = functools.partial(_newton_schulz_last_two, steps=steps, coeffs=coeffs, eps=eps,
+                              dtype=jnp.dtype(dtype))
+  out = map_in_chunks(iterate, flat, 0, size)
+  return jnp.moveaxis(out.reshape(moved.shape), tuple(range(x.ndim - r - c, x.ndim)),
+                      rows + cols)
+
+
+def _newton_schulz_last_two(x, *, steps, coeffs, eps, dtype):
+  """:func:`newton_schulz` over the last two axes of ``x``."""
   a, b, c = coeffs
-  m = jnp.moveaxis(x.astype(jnp.float32), (rows, cols), (-2, -1))
+  m = x.astype(jnp.float32)
   wide = m.shape[-2] <= m.shape[-1]
   if not wide:  # iterate on the side whose Gram matrix is smaller
     m = jnp.swapaxes(m, -1, -2)
-  m = m / (jnp.sqrt(jnp.sum(m * m, axis=(-2, -1), keepdims=True)) + eps)
+  m = (m / (jnp.sqrt(jnp.sum(m * m, axis=(-2, -1), keepdims=True)) + eps)).astype(dtype)
+  matmul = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
   for _ in range(steps):
-    gram = m @ jnp.swapaxes(m, -1, -2)
-    m = a * m + (b * gram + c * gram @ gram) @ m
+    gram = matmul(m, jnp.swapaxes(m, -1, -2))
+    poly = (b * gram + c * matmul(gram.astype(dtype), gram.astype(dtype))).astype(dtype)
+    m = (a * m.astype(jnp.float32) + matmul(poly, m)).astype(dtype)
+  m = m.astype(jnp.float32)
   if not wide:
     m = jnp.swapaxes(m, -1, -2)
-  return jnp.moveaxis(m, (-2, -1), (rows, cols))
+  return m
 
 
 # How an orthogonalised matrix is scaled (TierConfig.orthogonal_scale).
@@ -101,16 +189,16 @@ def width_scale(shape, axes: MatrixAxes) -> float:
     >>> width_scale((256, 1024), MatrixAxes(0, 1)), width_scale((1024, 256), MatrixAxes(0, 1))
     (2.0, 1.0)
   """
-  rows, cols = _matrix_sides(shape, axes)
+  rows, cols = matrix_sides(shape, axes)
   return math.sqrt(max(1.0, cols / rows))
 
 
 def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
   """The factor that gives an orthogonal matrix over ``axes`` of ``shape`` the RMS ``rms``."""
-  return rms * math.sqrt(max(_matrix_sides(shape, axes)))
+  return rms * math.sqrt(max(matrix_sides(shape, axes)))
 
 
-def _matrix_sides(shape, axes: MatrixAxes) -> tuple[int, int]:
+def matrix_sides(shape, axes: MatrixAxes) -> tuple[int, int]:
   """The number of rows and of columns of the matrix ``axes`` declares in ``shape``."""
   axes = MatrixAxes(*axes)
   return (math.prod(shape[a % len(shape)] for a in axes.row_axes),

@@ -120,6 +120,17 @@ class TierConfig:
       (Muon's ``√max(1, cols/rows)``, ``optax.contrib.muon``'s default:
       :func:`~skewadam_jax.orthogonal.width_scale`; a learning rate tuned for
       Muon carries over). Read only by the orthogonal directions.
+    orthogonal_chunk: how many stacked matrices (experts, layers) are
+      orthogonalised at once: ``"auto"`` (as many as keep one float32 copy of
+      the chunk within 64 MB; :func:`~skewadam_jax.orthogonal.chunk_size`),
+      a positive int (at most that many; on a bank sharded over its expert
+      axis, a multiple of the number of shards keeps the loop local), or
+      ``"all"`` (the whole slice at once: the iteration's float32 temporaries
+      are then several copies of a layer's bank). The chunks run in a loop, so
+      the direction is the same to float32 round-off whatever the chunking.
+    orthogonal_dtype: the Newton–Schulz iterates' dtype, ``"float32"`` or
+      ``"bfloat16"`` (products accumulated in float32; Muon's usual precision,
+      half the temporaries).
 
   The update's bound, by form (Adam's direction): dense momentum (fp32, bf16)
   with an exact ``v`` keeps Adam's, ``|m̂/√v̂| ≤ (1 − b1)/√((1 − b2)(1 − b1²/b2))``
@@ -137,6 +148,8 @@ class TierConfig:
   int8_code: str = "linear"
   neuron_b2: float = 0.95
   orthogonal_scale: str = "adam_rms"
+  orthogonal_chunk: Union[int, str] = "auto"
+  orthogonal_dtype: str = "float32"
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -163,6 +176,17 @@ class TierConfig:
     if self.orthogonal_scale not in orthogonal.SCALES:
       raise ValueError(f"Unknown orthogonal_scale {self.orthogonal_scale!r}; expected one of "
                        f"{orthogonal.SCALES}.")
+    orthogonal.check_chunk(self.orthogonal_chunk)
+    if not isinstance(self.orthogonal_chunk, str):
+      object.__setattr__(self, "orthogonal_chunk", int(self.orthogonal_chunk))
+    try:
+      dtype_name = jnp.dtype(self.orthogonal_dtype).name
+    except TypeError:
+      dtype_name = None
+    if dtype_name not in orthogonal.COMPUTE_DTYPES:
+      raise ValueError(f"orthogonal_dtype must be one of {orthogonal.COMPUTE_DTYPES}, got "
+                       f"{self.orthogonal_dtype!r}.")
+    object.__setattr__(self, "orthogonal_dtype", dtype_name)
     if (isinstance(self.neuron_b2, bool) or not isinstance(self.neuron_b2, numbers.Real)
         or not 0.0 <= self.neuron_b2 < 1.0):
       raise ValueError(f"neuron_b2 must be in [0, 1), got {self.neuron_b2!r}.")
@@ -241,6 +265,8 @@ class LeafPlan(NamedTuple):
       per-neuron second moment; ``None`` otherwise.
     orthogonal_scale: for an orthogonalised leaf, how its update is scaled
       (``TierConfig.orthogonal_scale``); ``None`` otherwise.
+    orthogonal_chunk, orthogonal_dtype: for an orthogonalised leaf, its
+      Newton–Schulz schedule (``TierConfig``'s); ``None`` otherwise.
   """
   tier: str
   encoding: Optional[encodings.MomentumEncoding]
@@ -250,6 +276,8 @@ class LeafPlan(NamedTuple):
   orthogonal: bool = False
   neuron_b2: Optional[float] = None
   orthogonal_scale: Optional[str] = None
+  orthogonal_chunk: Union[int, str, None] = None
+  orthogonal_dtype: Optional[str] = None
 
 
 def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConfig:
@@ -386,7 +414,9 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
         factored=config.second_moment == "factored" and axes is not None and not ortho,
         nu_dtype=jnp.dtype(config.nu_dtype), orthogonal=ortho,
         neuron_b2=config.neuron_b2 if normalized else None,
-        orthogonal_scale=config.orthogonal_scale if ortho else None))
+        orthogonal_scale=config.orthogonal_scale if ortho else None,
+        orthogonal_chunk=config.orthogonal_chunk if ortho else None,
+        orthogonal_dtype=config.orthogonal_dtype if ortho else None))
   return plans
 
 
@@ -577,10 +607,13 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
   over two or more batch axes (layers × experts) is stepped one slice of its
   declared layer axis (``MatrixAxes.layer``; else its first batch axis) at a
   time, so that the iteration's float32 temporaries are one layer's bank,
-  not the whole stack's (26 GB a copy at ``moe-6.78b``); the axes inside a
-  slice (experts) stay vectorised, so an expert-sharded bank is not gathered.
-  ``clip`` is applied to each slice inside the loop, so the loop reads the
-  raw gradient, not a clipped copy of the whole stack.
+  not the whole stack's (26 GB a copy at ``moe-6.78b``). Within a slice (or a
+  leaf with one batch axis) the next batch axis is stepped in chunks of
+  ``plan.orthogonal_chunk`` matrices (:func:`~skewadam_jax.orthogonal.map_in_chunks`:
+  strided, so an expert-sharded bank is not gathered), the momentum's decode
+  and encode inside the chunk too, so the working set is a chunk's.
+  ``clip`` is applied inside the loops, so they read the raw gradient, not a
+  clipped copy of the whole stack.
   """
   names = [] if plan.encoding is None else [
       n for n in encodings.MOMENTUM_FIELDS if not is_placeholder(parts[n])]
@@ -602,7 +635,7 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
       m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
       nesterov = b1 * m + c1 * g32
       new = plan.encoding.encode(m, axes)
-    update = orthogonal.newton_schulz(nesterov, axes)
+    update = orthogonal.newton_schulz(nesterov, axes, dtype=plan.orthogonal_dtype)
     if plan.neuron_b2 is not None:
       update, new["nu_col"] = orthogonal.normalize_per_neuron(
           update, momentum["nu_col"], axes, b2n, c2n)
@@ -611,11 +644,21 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
                        else orthogonal.adam_rms_scale(g_s.shape, axes))
     return update.astype(g.dtype), new
 
+  def chunked(g_s, momentum, axes):
+    matrix = axes.row_axes + axes.col_axes
+    inner_batch = [a for a in range(g_s.ndim) if a not in matrix]
+    if not inner_batch:
+      return step(g_s, momentum, axes)
+    rows, cols = orthogonal.matrix_sides(g_s.shape, axes)
+    size = orthogonal.chunk_size(g_s.shape[inner_batch[0]], rows * cols, plan.orthogonal_chunk)
+    return orthogonal.map_in_chunks(lambda t: step(*t, axes), (g_s, momentum),
+                                    inner_batch[0], size)
+
   matrix = plan.axes.row_axes + plan.axes.col_axes
   batch = [a for a in range(g.ndim) if a not in matrix]
   momentum = {n: parts[n] for n in names}
   if len(batch) < 2:
-    return step(g, momentum, plan.axes)
+    return chunked(g, momentum, plan.axes)
   outer = batch[0] if plan.axes.layer is None else plan.axes.layer
   shift = lambda side: (side - (side > outer) if isinstance(side, int)  # noqa: E731
                         else tuple(a - (a > outer) for a in side))
@@ -628,8 +671,8 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, contain_nonfinite=Fa
   # a bank at moe-6.78b, all of them live until the parameter write).
   def one_layer(stack, xs):
     index, momentum_slice = xs
-    update_slice, new_slice = step(jax.lax.dynamic_index_in_dim(stack, index, keepdims=False),
-                                   momentum_slice, inner)
+    update_slice, new_slice = chunked(
+        jax.lax.dynamic_index_in_dim(stack, index, keepdims=False), momentum_slice, inner)
     return jax.lax.dynamic_update_index_in_dim(stack, update_slice, index, 0), new_slice
 
   stack = to_front(g)
