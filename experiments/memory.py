@@ -197,6 +197,13 @@ def _print_report(report: dict) -> None:
           f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
   print(f"  matrix-multiply FLOPs per step: {report['matmul_flops']:.3e}, useful "
         f"{report['useful_flops']:.3e} (efficiency {report['flops_efficiency']:.2f})")
+  ortho = report.get("orthogonalisation")
+  if ortho:
+    size, rows, cols = ortho["chunk"]
+    print(f"  orthogonalisation (Newton-Schulz, {ortho['matrices']:,} matrices): working set "
+          f"{g(ortho['working_set_bytes'])} (a chunk of {size} x {rows}x{cols}, {ortho['leaf']}), "
+          f"matrix-multiply FLOPs {ortho['matmul_flops']:.3e} "
+          f"({ortho['matmul_flops'] / report['matmul_flops']:.0%} of the step's)")
   if report["collective_bytes"] is not None:
     moved = ", ".join(f"{kind} {g(n)}" for kind, n in report["collective_bytes"].items() if n)
     print(f"  collectives per device per step: {moved or 'none'}")

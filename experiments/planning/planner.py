@@ -56,6 +56,7 @@ from experiments import startup
 import experiments
 from experiments.training import config as config_lib
 from experiments.planning import hlo
+from experiments.planning import orthogonal_cost
 from experiments.training import mesh as mesh_lib
 from experiments.training import steps as steps_lib
 
@@ -723,6 +724,11 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "compiled_for": "cpu" if compiled["warning"] else target,
       "warning": compiled["warning"],
   }
+  report["orthogonalisation"] = (
+      orthogonal_cost.orthogonalisation(
+          params, steps_lib.abstract_axes(preset), run_config.skewadam_tiers(),
+          sharding=target_sharding(target)[0], matmul_flops=matmul_flops)
+      if optimizer == "skewadam" else None)
   if compiled.get("out_of_memory"):
     report["out_of_memory"] = compiled["out_of_memory"]
   if collectives and collectives.assumed_trip_counts:

@@ -178,6 +178,14 @@ class TrainConfig:
   expert_orthogonal_scale: str | None = setting(
       None, "the same for an orthogonal expert-bank direction", structural=True,
       choices=_ORTHOGONAL_SCALES, kind=str)
+  orthogonal_chunk: str | None = setting(
+      None, "with an orthogonal direction: how many stacked matrices Newton-Schulz "
+      "iterates at once: auto (a chunk of at most 64 MB in float32), all (a layer's whole "
+      "bank) or a number; default: the library's (auto)", structural=True, kind=str)
+  orthogonal_dtype: str | None = setting(
+      None, "with an orthogonal direction: the Newton-Schulz iterates' dtype, float32 or "
+      "bfloat16 (float32 accumulation); default: the library's (float32)", structural=True,
+      choices=skewadam_jax.orthogonal.COMPUTE_DTYPES, kind=str)
   orthogonal_rest_tier: str | None = setting(
       None, "with an orthogonal backbone direction: the SkewAdam tier of the backbone "
       "leaves it leaves out (embeddings, unembedding, vectors): backbone (its compact "
@@ -225,12 +233,18 @@ class TrainConfig:
     expert = {k: v for k, v in (("momentum", self.expert_momentum),
                                 ("direction", library(self.expert_direction)),
                                 ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
+    schedule = {k: v for k, v in (("orthogonal_chunk", _chunk_value(self.orthogonal_chunk)),
+                                  ("orthogonal_dtype", self.orthogonal_dtype)) if v}
+    if schedule and self.expert_direction != optimizers.LIBRARY_DIRECTION:
+      expert.update(schedule)
     if expert:
       tiers["expert"] = expert
     backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
                                   ("second_moment", self.backbone_second_moment),
                                   ("direction", library(self.backbone_direction)),
                                   ("orthogonal_scale", self.backbone_orthogonal_scale)) if v}
+    if schedule and self.backbone_direction != optimizers.LIBRARY_DIRECTION:
+      backbone.update(schedule)
     if backbone:
       tiers["backbone"] = backbone
     if self.router_second_moment:
@@ -267,6 +281,7 @@ class TrainConfig:
       value = getattr(self, name)
       if value is not None and not 0 <= value < math.inf:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
+    _chunk_value(self.orthogonal_chunk)
     self.model_config()  # unknown preset / moe_impl, a shape the model refuses
     if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
       raise ValueError("--stochastic-rounding needs bfloat16 parameters "
@@ -405,10 +420,20 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_experts
 MODEL_OPTIONS = ("compute_dtype", "moe_block_size", "remat", "loss_chunk_size", "rope_theta",
                  "norm_eps", "lb_loss_coef", "z_loss_coef", "attention_impl")
 
+def _chunk_value(text: str | None):
+  """``--orthogonal-chunk``'s value as the library takes it (a number becomes an int)."""
+  if text is None or text in skewadam_jax.orthogonal.CHUNKINGS:
+    return text
+  if str(text).isdigit() and int(text) > 0:
+    return int(text)
+  raise ValueError(f"--orthogonal-chunk must be auto, all or a positive number, got {text!r}")
+
+
 # The fields that choose SkewAdam's tiers (TrainConfig.skewadam_tiers).
 TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction",
-               "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_rest_tier")
+               "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
+               "orthogonal_dtype", "orthogonal_rest_tier")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
@@ -477,6 +502,9 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
       fields["orthogonal_rest_tier"] = settings
       continue
     for key, value in dict(settings).items():
+      if key in ("orthogonal_chunk", "orthogonal_dtype"):  # one flag for both tiers
+        fields[key] = str(value)
+        continue
       name = f"{tier}_{key}"
       if name not in TIER_FIELDS:
         raise ValueError(f"SkewAdam tier setting {tier}.{key} has no training flag; "

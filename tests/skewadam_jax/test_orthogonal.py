@@ -241,3 +241,74 @@ def test_the_normalized_orthogonal_direction_follows_norMuons_hand_written_step(
       "normalized orthogonal", "per-neuron float32")
   with pytest.raises(ValueError, match=r"neuron_b2 must be in \[0, 1\)"):
     sa.TierConfig(direction="normalized_orthogonal", neuron_b2=1.0)
+
+
+def test_a_chunked_orthogonalisation_equals_the_unchunked_one_on_a_stacked_bank():
+  # A layer stack of expert banks [L, E, d, f], every batch axis flattened and looped over.
+  x = jax.random.normal(jax.random.key(11), (2, 6, 12, 20))
+  axes = sa.MatrixAxes(2, 3)
+  whole = np.asarray(sa.newton_schulz(x, axes, chunk="all"))
+  for chunk in (1, 4, 5, "auto"):  # 4 and 5 are rounded down to divisors of 12: 4 and 4
+    np.testing.assert_allclose(sa.newton_schulz(x, axes, chunk=chunk), whole, atol=2e-6)
+  # bf16 iterates (float32 accumulation): chunked or not, the same result...
+  half = np.asarray(sa.newton_schulz(x, axes, dtype="bfloat16", chunk=3))
+  np.testing.assert_allclose(half, sa.newton_schulz(x, axes, dtype="bfloat16"), atol=2e-6)
+  # ...and float32's direction to bf16 round-off compounded over the five
+  # iterations (each rounds the iterate once more: about 5 · 2⁻⁸ relative).
+  rms = lambda a: np.sqrt(np.mean(a ** 2))  # noqa: E731
+  assert rms(half - whole) < 8 * 2.0 ** -8 * rms(whole)
+  assert np.abs(half - whole).max() < 16 * 2.0 ** -8 * np.abs(whole).max()
+
+
+def test_chunk_size_is_the_largest_divisor_within_the_bound():
+  assert orthogonal.chunk_size(64, 1024 * 1400) == 8  # 11 fit in 64 MB; 8 divides 64
+  assert orthogonal.chunk_size(8, 4096 * 14336) == 1  # one matrix is already over the bound
+  assert orthogonal.chunk_size(12, 10, 5) == 4 and orthogonal.chunk_size(7, 10, 3) == 1
+  assert orthogonal.chunk_size(6, 10, "all") == 6 and orthogonal.chunk_size(6, 10, 100) == 6
+  for bad in (0, -2, 1.5, True, "some"):
+    with pytest.raises(ValueError, match="orthogonal chunk must be"):
+      orthogonal.chunk_size(6, 10, bad)
+    with pytest.raises(ValueError, match="orthogonal chunk must be"):
+      sa.TierConfig(direction="orthogonal", orthogonal_chunk=bad)
+  with pytest.raises(ValueError, match="orthogonal_dtype must be one of"):
+    sa.TierConfig(direction="orthogonal", orthogonal_dtype="float16")
+  with pytest.raises(ValueError, match="Newton–Schulz dtype"):
+    sa.newton_schulz(jnp.ones((2, 2)), dtype="float64")
+
+
+def test_map_in_chunks_puts_strided_chunks_back_in_order():
+  x = jnp.arange(2 * 6 * 3).reshape(2, 6, 3)
+  seen = []
+
+  def fn(chunk):
+    seen.append(chunk.shape)
+    return chunk * 10
+  np.testing.assert_array_equal(orthogonal.map_in_chunks(fn, x, 1, 2), x * 10)
+  assert seen == [(2, 2, 3)]  # traced once, as the loop's body
+  # Chunk i holds entries i, i + 3, ... : a block-sharded axis stays sharded on them.
+  firsts = orthogonal.map_in_chunks(lambda c: jnp.broadcast_to(c[:, :1], c.shape), x, 1, 2)
+  np.testing.assert_array_equal(firsts[0, :, 0], [0, 3, 6, 0, 3, 6])
+  with pytest.raises(ValueError, match="does not divide"):
+    orthogonal.map_in_chunks(fn, x, 1, 4)
+
+
+@pytest.mark.parametrize("expert_momentum", ["sign", "fp32"])
+def test_the_update_steps_a_banks_experts_in_chunks_and_matches_the_whole_bank(expert_momentum):
+  g = {"experts": jax.random.normal(jax.random.key(12), (2, 6, 6, 8))}  # [L, E, d, f]
+  results = {}
+  for chunk in ("all", 2, "auto"):
+    tx = sa.scale_by_skewadam(param_labels="expert", expert={
+        "momentum": expert_momentum, "direction": "orthogonal", "orthogonal_chunk": chunk})
+    state = tx.init(g)
+    update = jax.jit(tx.update)
+    for step in range(3):
+      u, state = update(jax.tree.map(lambda x, s=step: x * (1 + s), g), state)
+    results[chunk] = (u, state)
+    lengths = _mapped_lengths(jax.make_jaxpr(tx.update)(g, state).jaxpr)
+    # The layer loop, then (chunk 2) a loop over 3 chunks of a layer's 6 experts.
+    assert sorted(lengths) == ([2, 3] if chunk == 2 else [2])
+    assert sa.leaf_plans(g, param_labels="expert", expert={
+        "direction": "orthogonal", "orthogonal_chunk": chunk})[0].orthogonal_chunk == chunk
+  for chunk in (2, "auto"):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6),
+                 results[chunk], results["all"])
