@@ -201,7 +201,8 @@ def _print_report(report: dict) -> None:
   if ortho:
     size, rows, cols = ortho["chunk"]
     print(f"  orthogonalisation (Newton-Schulz, {ortho['matrices']:,} matrices): working set "
-          f"{g(ortho['working_set_bytes'])} (a chunk of {size} x {rows}x{cols}, {ortho['leaf']}), "
+          f"{g(ortho['working_set_bytes'])} a device (a chunk of {size} x {rows}x{cols}, "
+          f"{ortho['leaf']}), "
           f"matrix-multiply FLOPs {ortho['matmul_flops']:.3e} "
           f"({ortho['matmul_flops'] / report['matmul_flops']:.0%} of the step's)")
   if report["collective_bytes"] is not None:

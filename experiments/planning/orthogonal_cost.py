@@ -50,7 +50,8 @@ def _compile_analysis(fn, arg, sharding):
 
 
 def orthogonalisation(params, axes: dict, skewadam_tiers: dict | None, *, sharding,
-                      matmul_flops, layer_name: str = "layers") -> dict | None:
+                      matmul_flops, expert_shards: int = 1, layer_name: str = "layers",
+                      expert_name: str = "experts") -> dict | None:
   """Newton–Schulz's share of a SkewAdam step, or ``None`` when nothing is orthogonalised.
 
   Args:
@@ -60,12 +61,16 @@ def orthogonalisation(params, axes: dict, skewadam_tiers: dict | None, *, shardi
     sharding: the target device's sharding (``planner.target_sharding``).
     matmul_flops: ``matmul_flops(fn, *args)``, the planner's count of a
       function's matrix-multiply FLOPs from its jaxpr.
-    layer_name: the logical axis a stacked model stacks its layers on.
+    expert_shards: how many devices a bank's expert axis is split over: a
+      chunk of such a bank (strided, :func:`skewadam_jax.orthogonal.map_in_chunks`)
+      puts ``chunk / expert_shards`` of its matrices on each device.
+    layer_name, expert_name: the logical axes of the layer stack and the expert bank.
 
   Returns:
     ``{"working_set_bytes", "leaf", "chunk", "matmul_flops", "matrices"}``:
-    the largest one-chunk working set over the orthogonalised leaves (that
-    leaf's path and ``[matrices, rows, cols]`` chunk), and the
+    the largest one-chunk working set of a device over the orthogonalised
+    leaves (that leaf's path and its ``[matrices, rows, cols]`` chunk on a
+    device), and the
     orthogonalisation's matrix-multiply FLOPs per step over all its matrices.
   """
   plans = skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes, skewadam_tiers),
@@ -80,6 +85,8 @@ def orthogonalisation(params, axes: dict, skewadam_tiers: dict | None, *, shardi
     names = tuple(axes.get(path, ()))
     layer_axis = names.index(layer_name) if layer_name in names else None
     total, size, rows, cols = _chunk_shape(tuple(leaf.shape), plan, layer_axis)
+    if expert_name in names and size % expert_shards == 0:
+      size //= expert_shards
     ns = lambda x, dtype=plan.orthogonal_dtype: orthogonal.newton_schulz(x, dtype=dtype)  # noqa: E731
     key = (size, rows, cols, plan.orthogonal_dtype)
     if key not in compiled:

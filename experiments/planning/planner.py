@@ -659,6 +659,9 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       fsdp = default_fsdp if mesh is None else False
   else:
     mesh_sizes, fsdp = None, False
+  if mesh_sizes and run_config.mesh is None:  # the run's mesh, as train would be given it
+    run_config = dataclasses.replace(
+        run_config, mesh=f"data={mesh_sizes['data']},expert={mesh_sizes['expert']}")
   data = batch_shards(mesh_sizes, config.moe_impl == "expert_parallel") if mesh_sizes else 1
   if batch % data:
     raise ValueError(f"--batch {batch} does not split over the mesh's "
@@ -727,7 +730,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   report["orthogonalisation"] = (
       orthogonal_cost.orthogonalisation(
           params, steps_lib.abstract_axes(preset), run_config.skewadam_tiers(),
-          sharding=target_sharding(target)[0], matmul_flops=matmul_flops)
+          sharding=target_sharding(target)[0], matmul_flops=matmul_flops,
+          expert_shards=mesh_sizes["expert"] if mesh_sizes else 1)
       if optimizer == "skewadam" else None)
   if compiled.get("out_of_memory"):
     report["out_of_memory"] = compiled["out_of_memory"]

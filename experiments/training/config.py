@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import math
 import pathlib
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -233,7 +234,12 @@ class TrainConfig:
     expert = {k: v for k, v in (("momentum", self.expert_momentum),
                                 ("direction", library(self.expert_direction)),
                                 ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
-    schedule = {k: v for k, v in (("orthogonal_chunk", _chunk_value(self.orthogonal_chunk)),
+    chunk = _chunk_value(self.orthogonal_chunk)
+    if chunk is None and _expert_shards(self.mesh) > 1:
+      # Strided chunks of the expert axis, one expert a shard: the loop stays
+      # local (a smaller chunk gathers every expert to every device).
+      chunk = _expert_shards(self.mesh)
+    schedule = {k: v for k, v in (("orthogonal_chunk", chunk),
                                   ("orthogonal_dtype", self.orthogonal_dtype)) if v}
     if schedule and self.expert_direction != optimizers.LIBRARY_DIRECTION:
       expert.update(schedule)
@@ -419,6 +425,12 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_experts
 # so a preset file (models/presets/) is a configuration file too.
 MODEL_OPTIONS = ("compute_dtype", "moe_block_size", "remat", "loss_chunk_size", "rope_theta",
                  "norm_eps", "lb_loss_coef", "z_loss_coef", "attention_impl")
+
+def _expert_shards(mesh: str | None) -> int:
+  """The size of a ``--mesh`` spec's ``expert`` axis (1 without one)."""
+  found = re.search(r"(?:^|,)\s*expert\s*=\s*(\d+)", mesh or "")
+  return int(found.group(1)) if found else 1
+
 
 def _chunk_value(text: str | None):
   """``--orthogonal-chunk``'s value as the library takes it (a number becomes an int)."""
