@@ -82,10 +82,13 @@ def map_in_chunks(fn, tree, axis: int, size: int):
   The chunks are strided: entry ``j·(n/size) + i`` of the axis is member ``j``
   of chunk ``i``. A bank sharded over that axis in contiguous blocks then keeps
   its sharding on the members of every chunk (when ``size`` is a multiple of
-  the number of shards), so the loop reads no other device's matrices.
-  ``fn`` takes and returns trees whose leaves have the chunk on ``axis``; its
-  results are put back in the original order. One chunk (``size`` equal to
-  the axis) calls ``fn`` once, with no loop.
+  the number of shards), so the loop reads no other device's matrices; and
+  splitting the axis so is a reshape, not a copy.
+  ``fn`` maps a chunk (the leaves with ``size`` entries on ``axis``) to a
+  tree of the same structure, shapes and dtypes; its results overwrite their
+  inputs in the loop's carry, which XLA updates in place, so the loop makes
+  no second stack of its own. One chunk (``size`` equal to the axis) calls
+  ``fn`` once, with no loop.
   """
   n = jax.tree.leaves(tree)[0].shape[axis]
   if n % size:
@@ -93,18 +96,23 @@ def map_in_chunks(fn, tree, axis: int, size: int):
   if size == n:
     return fn(tree)
   loops = n // size
+  split = lambda x: x.reshape(x.shape[:axis] + (size, loops) + x.shape[axis + 1:])  # noqa: E731
+  take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis + 1, keepdims=False)  # noqa: E731
 
-  def split(x):  # [..., n, ...] -> [loops, ..., size, ...]
-    x = jnp.moveaxis(x, axis, 0)
-    x = x.reshape((size, loops) + x.shape[1:])
-    return jnp.moveaxis(jnp.swapaxes(x, 0, 1), 1, axis + 1)
+  def body(i, stacks):
+    chunk = jax.tree.map(lambda x: take(x, i), stacks)
+    result = fn(chunk)
+    if jax.tree.structure(result) != jax.tree.structure(chunk) or any(
+        (r.shape, r.dtype) != (c.shape, c.dtype)
+        for r, c in zip(jax.tree.leaves(result), jax.tree.leaves(chunk))):
+      raise ValueError("map_in_chunks: fn must return its input's structure, shapes and "
+                       f"dtypes; got {jax.tree.map(jax.typeof, result)} for "
+                       f"{jax.tree.map(jax.typeof, chunk)}.")
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, i, axis + 1),
+                        stacks, result)
 
-  def merge(x):  # [loops, ..., size, ...] -> [..., n, ...]
-    x = jnp.swapaxes(jnp.moveaxis(x, axis + 1, 1), 0, 1)
-    return jnp.moveaxis(x.reshape((n,) + x.shape[2:]), 0, axis)
-
-  out = jax.lax.map(fn, jax.tree.map(split, tree))
-  return jax.tree.map(merge, out)
+  out = jax.lax.fori_loop(0, loops, body, jax.tree.map(split, tree))
+  return jax.tree.map(lambda x: x.reshape(x.shape[:axis] + (n,) + x.shape[axis + 2:]), out)
 
 
 def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int = NS_STEPS,
@@ -151,7 +159,7 @@ def newton_schulz(x: jax.Array, axes: MatrixAxes = MatrixAxes(), *, steps: int =
   size = chunk_size(flat.shape[0], flat.shape[1] * flat.shape[2], chunk)
   iterate = functools.partial(_newton_schulz_last_two, steps=steps, coeffs=coeffs, eps=eps,
                               dtype=jnp.dtype(dtype))
-  out = map_in_chunks(iterate, flat, 0, size)
+  out = map_in_chunks(iterate, flat.astype(jnp.float32), 0, size)
   return jnp.moveaxis(out.reshape(moved.shape), tuple(range(x.ndim - r - c, x.ndim)),
                       rows + cols)
 

@@ -20,6 +20,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import time
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from experiments.studies.sweeps import TIER_DEFAULTS, tuned_rates
 # --quick is a first look: AdamW, SkewAdam's default and Muon, 3 seeds, no sweep
 # (each trains at the rate the full protocol tuned, experiments/results/compare.json),
 # and a verdict that names the pairs it cannot separate (verdict_text).
-QUICK = dict(steps=200, sweep_steps=0, seeds=(0, 1, 2), eval_every=100, eval_batches=8,
+QUICK = dict(steps=100, sweep_steps=0, seeds=(0, 1, 2), eval_every=50, eval_batches=8,
              max_extensions=0)
 QUICK_OPTIMIZERS = "adamw,skewadam,muon"
 TUNED_RATES = pathlib.Path(__file__).resolve().parents[1] / "results" / "compare-long.json"
@@ -144,6 +145,49 @@ def lr_grid(optimizer: str, factors: Sequence[float], centre: float | None = Non
   return [centre * f for f in factors]
 
 
+class RunClock:
+  """How long a comparison has left, told after every run.
+
+  Each run still to go is priced at the mean time of the trained runs of its
+  optimizer, or of all trained runs for an optimizer not seen yet; a run read
+  back (``reuse_runs``) counts as done and costs nothing.
+  """
+
+  def __init__(self, planned: Sequence[str], log=print, clock=time.monotonic):
+    self.planned = list(planned)  # the optimizer of every run the protocol may take
+    self.times: dict[str, list[float]] = {}
+    self.log, self.clock = log, clock
+    self.start = clock()
+
+  def drop(self, optimizer: str, count: int) -> None:
+    """Runs of ``optimizer`` the protocol will not take after all (a sweep ended early)."""
+    for _ in range(count):
+      self.planned.remove(optimizer)
+
+  def left_s(self) -> float | None:
+    """Seconds the planned runs are expected to take; ``None`` before any run trained."""
+    every = [t for ts in self.times.values() for t in ts]
+    if not every:
+      return None
+    mean = lambda ts: sum(ts) / len(ts)  # noqa: E731
+    return sum(mean(self.times.get(o) or every) for o in self.planned)
+
+  def run(self, optimizer: str, train):
+    """``train()`` timed as one of ``optimizer``'s runs, then a line on what is left."""
+    began = self.clock()
+    result = train()
+    took = self.clock() - began
+    self.planned.remove(optimizer)
+    if took > 1.0:  # trained, not read back
+      self.times.setdefault(optimizer, []).append(took)
+    done = sum(len(t) for t in self.times.values())
+    left = self.left_s()
+    self.log(f"compare: {len(self.planned)} runs to go after {(self.clock() - self.start) / 60:.1f}"
+             f" min ({done} trained)"
+             + ("" if left is None else f"; about {left / 60:.1f} min left"))
+    return result
+
+
 def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
             out_dir: str | pathlib.Path, steps: int, sweep_steps: int,
             seeds: Sequence[int], lr_factors: Sequence[float] = (1 / 3, 1, 3),
@@ -180,7 +224,14 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   bar = tqdm(total=per_entry * len(unique), desc="compare", unit="run", disable=not progress,
              dynamic_ncols=True, file=sys.stderr)
-  run_one = functools.partial(run_or_reuse, keep_checkpoints=keep_checkpoints, reuse=reuse_runs)
+  run_or_read = functools.partial(run_or_reuse, keep_checkpoints=keep_checkpoints,
+                                  reuse=reuse_runs)
+  resolved = list(dict.fromkeys(entry_key(o, resolve_entry(o, c)) for o, c in entries))
+  clock = RunClock([key[0] for key in resolved for _ in range(per_entry)], log=log)
+  log(f"compare: {per_entry * len(unique)} runs at most; the time left is told after each run")
+
+  def run_one(*args, optimizer, **kwargs):
+    return clock.run(optimizer, lambda: run_or_read(*args, optimizer=optimizer, **kwargs))
   for optimizer, config in entries:
     config = resolve_entry(optimizer, config)
     if (optimizer, config) in seen:
@@ -217,10 +268,13 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
       else:
         break
     bar.total -= len(lr_factors) + extensions - len(sweep)  # extensions not needed
+    clock.drop(optimizer, len(lr_factors) + extensions - len(sweep))
     bar.refresh()
     best_lr = (fixed[entry_key(optimizer, config)] if fixed_lrs is not None
                else min(sweep, key=score)["lr"])
     same_budget = fixed_lrs is None and sweep_steps == steps
+    if same_budget:  # the best rate's sweep run is the first seed's final run
+      clock.drop(optimizer, 1)
     finals = [sweep_runs[best_lr] if same_budget and seed == seeds[0] else
               run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
                       optimizer=optimizer, lr=best_lr, steps=steps, seed=seed,
