@@ -68,7 +68,7 @@ import jax
 
 import experiments
 from experiments.studies import comparison
-from experiments.studies.sweeps import base_config, parse_entries
+from experiments.studies.sweeps import base_config, parse_entries, resolve_entry
 from experiments.training import config as config_lib
 from experiments.training import optimizers
 
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "(the first file that has the row wins): alone, no sweep (say, a longer "
                       "horizon at the rates tuned at the shorter one); with --lr-factors, the "
                       "centre of each row's sweep")
+  parser.add_argument("--lr", type=float, default=None, metavar="RATE",
+                      help="every row at this learning rate, no sweep (say, a variant of a row "
+                      "at that row's tuned rate)")
   parser.add_argument("--lr-factors", default=None, metavar="F,F,...",
                       help="the sweep's grid as multiples of the centre rate (default "
                       "0.333,1,3 around the optimizer's default rate)")
@@ -195,6 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     entries = parse_entries(names, args.skewadam_configs)
     if args.ablation:
       entries += [("skewadam", c) for c in comparison.ABLATION]
+    if args.lr is not None:  # one rate for every row, as if a saved comparison had it
+      if args.lr_from or args.lr_factors:
+        raise ValueError("--lr fixes every row's rate: give it without --lr-from and --lr-factors")
+      if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+      saved_rates, around = [{"optimizer": o, "config": resolve_entry(o, c) or "default",
+                              "lr": args.lr} for o, c in entries], False
     model = {}
     if args.config:
       model = {k: v for k, v in config_lib.load_config_file(args.config).items()

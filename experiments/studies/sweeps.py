@@ -34,13 +34,17 @@ TIER_KEYS = {
     "expert_dir": ("expert", "direction", "expert_direction"),
     "backbone_scale": ("backbone", "orthogonal_scale", "backbone_orthogonal_scale"),
     "expert_scale": ("expert", "orthogonal_scale", "expert_orthogonal_scale"),
-    # Not a tier setting: the tier of the leaves an orthogonal backbone leaves out.
+    # Not tier settings: the tier of the leaves an orthogonal backbone leaves out,
+    # and the Newton–Schulz schedule of both orthogonal tiers.
     "rest": (None, None, "orthogonal_rest_tier"),
+    "ns_chunk": (None, None, "orthogonal_chunk"),
+    "ns_dtype": (None, None, "orthogonal_dtype"),
 }
 # Keys a configuration names only when they differ from this value (so rows
 # saved before the key existed keep their identity and their runs' folders).
 IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam", "backbone_scale": "adam_rms",
-            "expert_scale": "adam_rms", "rest": "backbone"}
+            "expert_scale": "adam_rms", "rest": "backbone", "ns_chunk": "auto",
+            "ns_dtype": "float32"}
 
 
 def base_config(*, preset: str = "small", batch_size: int = 16, data: str | None = None,
