@@ -25,6 +25,7 @@ import time
 from typing import Sequence
 
 import experiments
+from experiments.training import flags
 
 
 def _total_gpu_bytes() -> int | None:
@@ -106,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="moe-6.78b")
-  parser.add_argument("--batch-size", "--batch", type=int, default=1, dest="batch_size")
-  parser.add_argument("--seq-len", "--seq", type=int, default=None, dest="seq_len")
+  parser.add_argument("--batch-size", "--batch", action=flags.StoreWithDeprecatedAliases,
+                      deprecated=("--batch",), type=int, default=1, dest="batch_size")
+  parser.add_argument("--seq-len", "--seq", action=flags.StoreWithDeprecatedAliases,
+                      deprecated=("--seq",), type=int, default=None, dest="seq_len")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--cap-gb", type=float, default=40.0, help="0: no cap")
   parser.add_argument("--optimizers", default="skewadam,adamw")

@@ -1,6 +1,6 @@
 """Memory planner command: will this train step fit this GPU? Asked of XLA, without the GPU.
 
-    python -m experiments.memory --preset moe-6.78b --optimizer skewadam --target a100-40gb --batch 1 --seq 2048 --json
+    python -m experiments.memory --preset moe-6.78b --optimizer skewadam --target a100-40gb --batch-size 1 --seq-len 2048 --json
 
 For a preset and an optimizer it reports
 
@@ -36,7 +36,7 @@ default ``data=N`` with FSDP, which
 is what fits and repeats no work with the dropless lowerings, or with
 ``--moe-impl expert_parallel`` ``expert = gcd(N, experts)``, ``data = N /
 expert`` (``experiments.planning.planner.default_layout``).
-Memory figures are then per device, ``--batch`` and the largest batch that
+Memory figures are then per device, ``--batch-size`` and the largest batch that
 fits are global (multiples of ``data``), and ``collective_bytes`` gives the
 bytes each collective kind handles per device per step, read from the
 compiled HLO with the layer loop's trip count (``experiments/planning/hlo.py``).
@@ -63,6 +63,7 @@ import jax.numpy as jnp
 
 import experiments
 from experiments.training import config as config_lib
+from experiments.training import flags
 from experiments.training import optimizers
 from experiments.planning import planner
 from experiments.planning.planner import markdown_table, plan, use_deviceless_gpu_environment
@@ -88,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
   parser.add_argument("--target", default="a100-40gb",
                       help=f"one of {', '.join(planner.ALL_TARGETS)}")
-  parser.add_argument("--batch-size", "--batch", type=int, default=1, dest="batch_size",
+  parser.add_argument("--batch-size", "--batch", action=flags.StoreWithDeprecatedAliases,
+                      deprecated=("--batch",), type=int, default=1, dest="batch_size",
                       help="global batch (sequences)")
-  parser.add_argument("--seq-len", "--seq", type=int, default=None, dest="seq_len",
+  parser.add_argument("--seq-len", "--seq", action=flags.StoreWithDeprecatedAliases,
+                      deprecated=("--seq",), type=int, default=None, dest="seq_len",
                       help="default: the preset's max_seq_len")
   parser.add_argument("--margin-gb", type=float, default=2.0)
   parser.add_argument("--param-dtype", default="bfloat16")

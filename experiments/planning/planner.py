@@ -435,7 +435,7 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
   mesh = mesh or default_mesh_shape(devices, model_config.num_experts)
   expert_parallel = model_config.moe_impl == "expert_parallel"
   if batch % batch_shards(mesh, expert_parallel):
-    raise ValueError(f"--batch {batch} does not split over the mesh's "
+    raise ValueError(f"--batch-size {batch} does not split over the mesh's "
                      f"{_batch_shards_text(mesh, expert_parallel)}")
   device_list, warning = target_devices(target, devices)
   device_mesh = mesh_lib.make_mesh(mesh["data"], mesh["expert"], devices=device_list)
@@ -631,7 +631,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   :func:`experiments.training.steps.build_step`).
   """
   if batch < 1:
-    raise ValueError(f"--batch must be >= 1, got {batch}")
+    raise ValueError(f"--batch-size must be >= 1, got {batch}")
   if device_memory_gb is not None and not device_memory_gb > 0:
     raise ValueError(f"--device-memory-gb must be > 0, got {device_memory_gb}")
   _check_target(target)
@@ -664,12 +664,12 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
         run_config, mesh=f"data={mesh_sizes['data']},expert={mesh_sizes['expert']}")
   data = batch_shards(mesh_sizes, config.moe_impl == "expert_parallel") if mesh_sizes else 1
   if batch % data:
-    raise ValueError(f"--batch {batch} does not split over the mesh's "
+    raise ValueError(f"--batch-size {batch} does not split over the mesh's "
                      f"{_batch_shards_text(mesh_sizes, config.moe_impl == 'expert_parallel')}: "
                      f"use a multiple of {data}")
   seq = seq or config.max_seq_len
   if not 1 <= seq <= config.max_seq_len:
-    raise ValueError(f"--seq must be in [1, {config.max_seq_len}] for {preset}, got {seq}")
+    raise ValueError(f"--seq-len must be in [1, {config.max_seq_len}] for {preset}, got {seq}")
   step, params, opt_state = steps_lib.abstract_step(run_config)
   state_by_tier = skewadam_jax.state_bytes_by_tier(opt_state)
   param_bytes = skewadam_jax.tree_bytes(params)

@@ -51,10 +51,22 @@ def test_a_flag_means_one_setting_in_every_command(actions):
   assert not conflicts
 
 
-def test_the_planner_keeps_its_old_spellings_as_aliases():
-  from experiments import memory  # pylint: disable=import-outside-toplevel
-  args = memory.build_parser().parse_args(["--batch", "4", "--seq", "128"])
+@pytest.mark.parametrize("command", ["memory", "gpu_check"])
+def test_old_spellings_still_work_and_say_they_are_deprecated(command, capsys):
+  parser = importlib.import_module(f"experiments.{command}").build_parser()
+  args = parser.parse_args(["--batch", "4", "--seq", "128"])
   assert (args.batch_size, args.seq_len) == (4, 128)
+  err = capsys.readouterr().err
+  assert "--batch is deprecated; use --batch-size" in err
+  assert "--seq is deprecated; use --seq-len" in err
+  args = parser.parse_args(["--batch-size", "4", "--seq-len", "128"])
+  assert (args.batch_size, args.seq_len) == (4, 128) and not capsys.readouterr().err
+
+
+def test_the_docs_spell_no_deprecated_flag():
+  old = [(p.name, line) for p in _pages.PAGES for block in _pages.bash_blocks(p)
+         for line in block.splitlines() if re.search(r"--(batch|seq)(\s|=|$)", line)]
+  assert not old
 
 
 def documented_commands():

@@ -86,7 +86,7 @@ def test_max_batch_search_against_a_known_peak_curve():
 
 
 def test_command_prints_one_json_object(capsys, tmp_path):
-  assert memory.main(["--preset", "tiny", "--optimizer", "skewadam", "--seq", "16",
+  assert memory.main(["--preset", "tiny", "--optimizer", "skewadam", "--seq-len", "16",
                       "--target", "cpu", "--json", "--no-search"]) == 0
   report = json.loads(capsys.readouterr().out)
   for key in ("preset", "optimizer", "target", "batch", "seq", "num_params", "param_bytes",
@@ -325,9 +325,9 @@ def test_tpu_target_compiles_tiny_on_four_chips(monkeypatch):
 
 
 def test_bad_devices_flags_fail_with_one_line(capsys):
-  base = ["--preset", "tiny", "--seq", "16", "--no-search"]
+  base = ["--preset", "tiny", "--seq-len", "16", "--no-search"]
   cases = [(["--devices", "8", "--mesh", "data=3,expert=2"], "does not fit --devices 8"),
-           (["--devices", "8", "--batch", "3"], "--batch 3 does not split over the mesh's data=8"),
+           (["--devices", "8", "--batch-size", "3"], "--batch-size 3 does not split over the mesh's data=8"),
            (["--mesh", "data=2"], "--mesh and --fsdp need --devices"),
            (["--devices", "0"], "--devices must be >= 1"),
            (["--target", "tpu-v6e", "--devices", "3"], "not a tpu-v6e slice"),
