@@ -439,3 +439,48 @@ def test_the_committed_plans_say_which_measured_configurations_fit():
       "adam", "normalized_orthogonal", "orthogonal"]
   unplanned = {**skewadam[0], "config": {"expert_m": "int8"}}
   assert comparison.standard_step_fits(unplanned, reports) is None
+
+
+def test_the_time_left_is_priced_by_each_optimizers_own_runs():
+  now = [0.0]
+  lines = []
+  clock = comparison.RunClock(["adamw"] * 2 + ["skewadam"] * 2, log=lines.append,
+                              clock=lambda: now[0])
+
+  def run(optimizer, seconds):
+    def train():
+      now[0] += seconds
+      return optimizer
+    return clock.run(optimizer, train)
+  assert clock.left_s() is None  # nothing timed yet
+  assert run("adamw", 60) == "adamw"
+  assert clock.left_s() == 3 * 60  # skewadam not seen yet: priced as adamw
+  assert lines[-1] == "compare: 3 runs to go after 1.0 min (1 trained); about 3.0 min left"
+  run("adamw", 120)
+  run("skewadam", 300)
+  assert clock.left_s() == 300  # the last run at skewadam's own time
+  run("skewadam", 0.1)  # read back, not trained: done, and not timed
+  assert clock.left_s() == 0 and lines[-1].startswith("compare: 0 runs to go")
+  clock.drop("adamw", 0)
+  with pytest.raises(ValueError):
+    clock.drop("muon", 1)
+
+
+def test_one_rate_for_every_row_runs_no_sweep(seen):
+  argv = ["--optimizers", "muon", "--skewadam-configs", "ns_chunk=1", "--lr", "0.01"]
+  assert compare.main(argv) == 0
+  entries = [("muon", None), ("skewadam", {"ns_chunk": "1"})]
+  assert set(comparison.tuned_rates(entries, seen["fixed_lrs"]).values()) == {0.01}
+  assert seen["sweep_around"] is None
+  assert compare.main(argv + ["--lr-factors", "0.5,1"]) == 2
+  assert compare.main(["--optimizers", "muon", "--lr", "0"]) == 2
+
+
+def test_the_newton_schulz_schedule_keys_name_a_row_only_when_not_the_default():
+  ortho = {"backbone_dir": "orthogonal", "expert_dir": "orthogonal"}
+  assert sweeps.resolve_config(ortho) == sweeps.resolve_config(
+      {**ortho, "ns_chunk": "auto", "ns_dtype": "float32"})
+  row = sweeps.resolve_config({**ortho, "ns_chunk": "2", "ns_dtype": "bfloat16"})
+  tiers = comparison.TrainConfig(**comparison.train_overrides(row)).skewadam_tiers()
+  for tier in ("expert", "backbone"):
+    assert tiers[tier]["orthogonal_chunk"] == 2 and tiers[tier]["orthogonal_dtype"] == "bfloat16"

@@ -345,3 +345,50 @@ def test_the_h200_target_is_a_hopper_with_141_gb():
   assert planner.target_device_bytes("h200") == 141_000_000_000
   description = (planner.TARGET_DIR / planner.TARGETS["h200"]).read_text()
   assert "major: 9" in description and 'name: "NVIDIA H200"' in description
+
+
+def _newton_schulz_flops(rows, cols):
+  """Five quintic iterations on the smaller Gram side, by hand: X Xᵀ, A·A, (bA + cA²)·X."""
+  r, c = min(rows, cols), max(rows, cols)
+  return 5 * (2 * r * r * c + 2 * r ** 3 + 2 * r * r * c)
+
+
+def test_the_orthogonalisation_is_its_own_line_with_its_flops_by_hand(capsys):
+  default = config_lib.TrainConfig().skewadam_tiers()  # the training command's: orthogonal
+  report = planner.plan("tiny", "skewadam", target="cpu", seq=16, search_batch=False,
+                        skewadam_tiers=default)
+  ortho = report["orthogonalisation"]
+  params = steps_lib.abstract_params("tiny", jnp.bfloat16)
+  axes = steps_lib.abstract_axes("tiny")
+  plans = skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes, default),
+                                  **optimizers.tier_configs(default))
+  paths, leaves, _ = skewadam_jax.labels.flatten_with_paths(params)
+  want_flops, want_matrices = 0, 0
+  for leaf, plan in zip(leaves, plans):
+    if plan.orthogonal:
+      rows, cols = skewadam_jax.orthogonal.matrix_sides(leaf.shape, plan.axes)
+      count = leaf.size // (rows * cols)
+      want_flops += count * _newton_schulz_flops(rows, cols)
+      want_matrices += count
+  assert ortho["matrices"] == want_matrices > 0
+  assert ortho["matmul_flops"] == want_flops
+  assert ortho["matmul_flops"] < report["matmul_flops"]
+  size, rows, cols = ortho["chunk"]
+  assert ortho["leaf"] in paths and ortho["working_set_bytes"] >= 4 * size * rows * cols
+  memory._print_report(report)  # pylint: disable=protected-access
+  assert "orthogonalisation (Newton-Schulz" in capsys.readouterr().out
+  adamw = planner.plan("tiny", "adamw", target="cpu", seq=16, search_batch=False)
+  assert adamw["orthogonalisation"] is None
+  adam_direction = planner.plan("tiny", "skewadam", target="cpu", seq=16, search_batch=False,
+                                skewadam_tiers={})
+  assert adam_direction["orthogonalisation"] is None
+
+
+def test_an_expert_sharded_mesh_chunks_a_bank_one_expert_a_shard():
+  tiers = config_lib.TrainConfig(mesh="data=2,expert=4").skewadam_tiers()
+  assert tiers["expert"]["orthogonal_chunk"] == 4 and tiers["backbone"]["orthogonal_chunk"] == 4
+  assert "orthogonal_chunk" not in config_lib.TrainConfig(mesh="data=8").skewadam_tiers()["expert"]
+  given = config_lib.TrainConfig(mesh="data=2,expert=4", orthogonal_chunk="all").skewadam_tiers()
+  assert given["expert"]["orthogonal_chunk"] == "all"
+  with pytest.raises(ValueError, match="--orthogonal-chunk must be auto, all or a positive"):
+    config_lib.TrainConfig(orthogonal_chunk="0").validate()
