@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m experiments.memory",
                                    description=__doc__.split("\n\n")[0],
                                    epilog="--table FILE.json ...: print reports as a Markdown "
-                                   "table (--devices-table for --devices reports)")
+                                   "table (--devices-table for --devices reports, "
+                                   "--orthogonal-table for what Newton-Schulz costs in them)")
   parser.add_argument("--preset", default="moe-6.78b")
   parser.add_argument("--optimizer", default="skewadam",
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
@@ -120,12 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+# --table FILE.json ...: reports as one Markdown table, without compiling anything.
+TABLES = {"--table": markdown_table, "--devices-table": planner.markdown_devices_table,
+          "--orthogonal-table": planner.markdown_orthogonal_table}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   experiments.use_cpu_without_gpu()
   use_deviceless_gpu_environment()
   argv = sys.argv[1:] if argv is None else list(argv)
-  if argv and argv[0] in ("--table", "--devices-table"):
-    table = markdown_table if argv[0] == "--table" else planner.markdown_devices_table
+  if argv and argv[0] in TABLES:
+    table = TABLES[argv[0]]
     print(table([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
     return 0
   try:

@@ -314,10 +314,16 @@ def label_fn(name: str) -> PatternLabeller:
   return PatternLabeller(name, **PATTERNS[name])
 
 
+# A path component that names a router (MaxText's MoeBlock_0/gate, Mixtral's
+# block_sparse_moe/gate, router, routing): never offered as an expert.
+_ROUTER_LIKE = re.compile(r"(^|[/.])(gate|[a-z_]*rout[a-z_]*)([/.]|$)", re.I)
+
+
 def _example_paths(paths: list[str], leaves: list[Any], tier: str) -> list[str]:
   """A few paths that may be what the patterns missed, for the warning."""
   if tier == EXPERT:
-    hits = [p for p, x in zip(paths, leaves) if "expert" in p.lower() or len(x.shape) >= 3]
+    hits = [p for p, x in zip(paths, leaves)
+            if ("expert" in p.lower() or len(x.shape) >= 3) and not _ROUTER_LIKE.search(p)]
   else:
     hits = [p for p in paths if re.search(r"gate|rout", p, re.I) and "proj" not in p]
   return (hits or paths)[:3]
@@ -329,10 +335,13 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
     return
   paths, leaves, _ = flatten_with_paths(tree)
   examples = {t: _example_paths(paths, leaves, t) for t in unmatched}
-  who = "default labeller" if name == "default" else f"labeller {name!r}"
+  who = ("default labeller" if name == "default" else "own param_labels function"
+         if patterns is None else f"labeller {name!r}")
+  shown = ("" if patterns is None else
+           f" (patterns {_as_tuple(patterns['expert']) + _as_tuple(patterns['router'])})")
   warnings.warn(
       f"SkewAdam's {who} found no {' and no '.join(unmatched)} leaf among "
-      f"{len(labels)} parameters (patterns {_as_tuple(patterns['expert']) + _as_tuple(patterns['router'])}); "
+      f"{len(labels)} parameters{shown}; "
       f"every such leaf is in the backbone tier. Paths that may be meant: "
       + "; ".join(f"{t}: {examples[t]}" for t in unmatched) + ". "
       + _better_sets(paths, name)
@@ -364,9 +373,11 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
       module is a tree, see :func:`is_function`), or a function mapping
       ``tree`` to such a pytree.
     tree: parameters or updates.
-    warn: with ``param_labels=None`` or a :func:`label_fn` labeller, warn
-      when its patterns label no leaf ``"expert"`` or none ``"router"`` (the
-      tree probably names them differently, and they would be backbone).
+    warn: with ``param_labels=None``, a :func:`label_fn` labeller or any
+      other function (a user's :func:`moe_param_labels` patterns), warn when
+      it labels no leaf ``"expert"`` or none ``"router"`` (the tree probably
+      names them differently, or a pattern has a typo, and they would be
+      backbone). Labels given as a tree or a tier name are taken as meant.
 
   Returns:
     One tier name per leaf.
@@ -396,4 +407,8 @@ def resolve_labels(param_labels: LabelSpec, tree, *, warn: bool = False) -> list
   elif warn and labels and isinstance(param_labels, PatternLabeller):
     _warn_unmatched(param_labels.name, {"router": param_labels.router,
                                         "expert": param_labels.expert}, labels, tree)
+  elif warn and labels and is_function(param_labels):
+    # A user's own labeller (moe_param_labels with their patterns, a lambda):
+    # a typo in a pattern must not send every bank to the backbone silently.
+    _warn_unmatched(getattr(param_labels, "__name__", "custom"), None, labels, tree)
   return labels

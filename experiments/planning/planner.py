@@ -787,6 +787,39 @@ def markdown_table(reports: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
+def markdown_orthogonal_table(reports: Sequence[dict]) -> str:
+  """A Markdown table of what Newton–Schulz costs in planner reports (``--json``) that have it.
+
+  Its FLOPs do not grow with the batch (one orthogonalisation per matrix per
+  step) while the model's do: per token they are given at the planned batch
+  and at the largest batch that fits, beside the model's useful FLOPs a token
+  (:func:`useful_flops`, the same at any batch).
+  """
+  lines = ["| preset | step | target | chunk (largest working set) | working set a device "
+           "| Newton–Schulz FLOPs a step | a token, planned batch | a token, largest batch "
+           "| useful FLOPs a token |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    ortho = r.get("orthogonalisation")
+    if not ortho:
+      continue
+    tokens = r["batch"] * r["seq"]
+    useful = r["useful_flops"] / tokens
+    largest = r.get("max_batch_that_fits")
+    at_largest = (f"{ortho['matmul_flops'] / (largest * r['seq']):.3g} "
+                  f"({ortho['matmul_flops'] / (largest * r['seq']) / useful:.2f}×, batch {largest})"
+                  if largest else "—")
+    step = "update in backward" if r.get("update_in_backward") else "standard"
+    where = r["target"] if r.get("devices", 1) == 1 else f"{r['devices']} x {r['target']}"
+    size, rows, cols = ortho["chunk"]
+    lines.append(
+        f"| {r['preset']} | {step} | {where} | {size} × {rows}×{cols} "
+        f"| {ortho['working_set_bytes'] / GB:.3f} GB | {ortho['matmul_flops']:.3g} "
+        f"| {ortho['matmul_flops'] / tokens:.3g} ({ortho['matmul_flops'] / tokens / useful:.2f}×, "
+        f"batch {r['batch']}) | {at_largest} | {useful:.3g} |")
+  return "\n".join(lines)
+
+
 def _gb(nbytes) -> str:
   return "—" if nbytes is None else f"{nbytes / GB:.2f} GB"
 

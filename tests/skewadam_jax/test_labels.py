@@ -1,11 +1,13 @@
 """Tests for the tier labeller."""
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import skewadam_jax as sa
 from skewadam_jax import labels
 
 
@@ -263,3 +265,36 @@ def test_named_pattern_sets_warn_naming_the_set_and_example_paths():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     labels.resolve_labels(labels.label_fn("keras_hub"), tree, warn=True)
+
+
+def test_a_users_own_patterns_warn_when_a_typo_leaves_a_tier_empty():
+  typo = functools.partial(labels.moe_param_labels, router=r"(^|/)gate(/|$)",
+                           expert=r"(^|/)MoeBlock_0/w(i|o)_?[01]?$x")  # the trailing x: a typo
+  with pytest.warns(UserWarning, match=r"own param_labels function found no expert leaf"):
+    got = labels.resolve_labels(typo, MAXTEXT, warn=True)
+  assert "expert" not in got and got.count("router") == 1
+  # Through the optimizer: init warns, before a single step.
+  with pytest.warns(UserWarning, match=r"found no expert leaf"):
+    sa.scale_by_skewadam(param_labels=typo).init(MAXTEXT)
+  right = functools.partial(labels.moe_param_labels, router=r"(^|/)gate(/|$)",
+                            expert=r"(^|/)MoeBlock_0/w(i_0|i_1|o)$")
+  import warnings  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert labels.resolve_labels(right, MAXTEXT, warn=True).count("expert") == 3
+    # Labels given as a tree (or one tier for every leaf) are taken as meant.
+    labels.resolve_labels("backbone", MAXTEXT, warn=True)
+    labels.resolve_labels(jax.tree.map(lambda _: "backbone", MAXTEXT), MAXTEXT, warn=True)
+
+
+def test_the_hint_never_offers_a_router_as_an_expert():
+  # MaxText's scanned router kernel is 3-D [embed, layers, experts], like a bank.
+  scanned = {"params": {"decoder": {"layers": {"MoeBlock_0": {
+      "gate": {"kernel": jnp.zeros((8, 2, 4))},
+      "wi_0": jnp.zeros((4, 2, 8, 16)), "wo": jnp.zeros((4, 2, 16, 8))}}}}}
+  with pytest.warns(UserWarning) as caught:
+    labels.resolve_labels(None, scanned, warn=True)
+  text = str(caught[0].message)
+  expert_hint = text.split("expert: ")[1].split("; router:")[0]
+  assert "MoeBlock_0/wi_0" in expert_hint and "gate" not in expert_hint
+  assert "router: ['params/decoder/layers/MoeBlock_0/gate/kernel']" in text
