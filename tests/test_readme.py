@@ -58,15 +58,27 @@ def test_the_figures_at_a_glance_are_the_results_files():
   rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
           for line in README.split("## Results at a glance")[1].split("##")[0].splitlines()
           if line.startswith("| ") and not line.startswith("| measured")}
-  state, peak, backward, ppl, compile_time, _ = rows.values()  # the last: XLA:GPU, below
+  state, peak, backward, h200, ppl, compile_time, _ = rows.values()  # the last: XLA:GPU
   assert state[:2] == [f"**{_gb('memory/skewadam.json', 'opt_state_bytes')}**",
                        _gb("memory/adamw.json", "opt_state_bytes")]
   skewadam = json.loads((RESULTS / "memory" / "skewadam.json").read_text())
   assert peak[:2] == [f"**{_gb('memory/skewadam.json', 'peak_bytes')}** (fits; largest batch "
                       f"{skewadam['max_batch_that_fits']})", _gb("memory/adamw.json", "peak_bytes")]
   assert skewadam["fits"] and (skewadam["batch"], skewadam["seq"]) == (1, 2048)
-  assert backward[:2] == [f"**{_gb('memory/skewadam-update-in-backward.json', 'peak_bytes')}**",
+  layerwise = json.loads((RESULTS / "memory" / "skewadam-update-in-backward.json").read_text())
+  card = json.loads((RESULTS / "memory" / "skewadam-update-in-backward-24gb.json").read_text())
+  assert layerwise["skewadam_tiers"] == card["skewadam_tiers"] == skewadam["skewadam_tiers"]
+  assert card["device_bytes"] == 24 * 10**9
+  assert backward[:2] == [f"**{_gb('memory/skewadam-update-in-backward.json', 'peak_bytes')}** "
+                          f"(largest batch {layerwise['max_batch_that_fits']}; "
+                          f"{card['max_batch_that_fits']} on a 24 GB card)",
                           _gb("memory/adamw-update-in-backward.json", "peak_bytes")]
+  big = json.loads((RESULTS / "memory"
+                    / "moe-47b-h200-skewadam-orthogonal-update-in-backward.json").read_text())
+  assert big["skewadam_tiers"] == skewadam["skewadam_tiers"] and big["fits"]
+  assert h200[:2] == [
+      f"**{big['peak_bytes'] / 1e9:.2f} GB** (fits; largest batch {big['max_batch_that_fits']})",
+      f"{json.loads((RESULTS / 'memory' / 'moe-47b-h200-adamw-update-in-backward.json').read_text())['peak_bytes'] / 1e9:.2f} GB"]
   long = json.loads((RESULTS / "compare-long.json").read_text())
   by_name = {(r["optimizer"], r["config"].get("backbone_dir", "adam")
               if isinstance(r["config"], dict) else "adam"): r for r in long}
