@@ -35,7 +35,7 @@ from experiments.studies.sweeps import TIER_DEFAULTS, tuned_rates
 # --quick is a first look: AdamW, SkewAdam's default and Muon, 3 seeds, no sweep
 # (each trains at the rate the full protocol tuned, experiments/results/compare.json),
 # and a verdict that names the pairs it cannot separate (verdict_text).
-QUICK = dict(steps=100, sweep_steps=0, seeds=(0, 1, 2), eval_every=50, eval_batches=8,
+QUICK = dict(steps=80, sweep_steps=0, seeds=(0, 1, 2), eval_every=40, eval_batches=8,
              max_extensions=0)
 QUICK_OPTIMIZERS = "adamw,skewadam,muon"
 TUNED_RATES = pathlib.Path(__file__).resolve().parents[1] / "results" / "compare-long.json"
