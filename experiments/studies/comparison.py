@@ -227,6 +227,8 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   run_or_read = functools.partial(run_or_reuse, keep_checkpoints=keep_checkpoints,
                                   reuse=reuse_runs)
   resolved = list(dict.fromkeys(entry_key(o, resolve_entry(o, c)) for o, c in entries))
+  if progress:  # each line above the bar, not glued to it
+    log = functools.partial(bar.write, file=sys.stderr)
   clock = RunClock([key[0] for key in resolved for _ in range(per_entry)], log=log)
   log(f"compare: {per_entry * len(unique)} runs at most; the time left is told after each run")
 
