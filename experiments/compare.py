@@ -184,27 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   names = args.optimizers
   if names is None:
     names = comparison.QUICK_OPTIMIZERS if args.quick else ",".join(optimizers.OPTIMIZERS)
-  # --quick trains at the tuned rates unless a sweep is asked for (--sweep-steps).
-  lr_from = args.lr_from or (
-      comparison.TUNED_RATES if args.quick and not args.sweep_steps else None)
-  saved_rates = None
-  if lr_from:  # the first file that has a row wins
-    saved_rates = [row for path in reversed(str(lr_from).split(","))
-                   for row in json.loads(pathlib.Path(path).read_text())]
   factors = (tuple(float(f) for f in args.lr_factors.split(",")) if args.lr_factors
              else (1 / 3, 1, 3))
-  around = saved_rates is not None and args.lr_factors is not None
   try:
     entries = parse_entries(names, args.skewadam_configs)
     if args.ablation:
       entries += [("skewadam", c) for c in comparison.ABLATION]
-    if args.lr is not None:  # one rate for every row, as if a saved comparison had it
-      if args.lr_from or args.lr_factors:
-        raise ValueError("--lr fixes every row's rate: give it without --lr-from and --lr-factors")
-      if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-      saved_rates, around = [{"optimizer": o, "config": resolve_entry(o, c) or "default",
-                              "lr": args.lr} for o, c in entries], False
+    saved_rates = _saved_rates(args, entries)
+    around = saved_rates is not None and args.lr_factors is not None
     model = {}
     if args.config:
       model = {k: v for k, v in config_lib.load_config_file(args.config).items()
@@ -230,6 +217,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     row["machine"] = machine
   rows = rows if kept is None else comparison.merge_rows(kept, rows)
   return write(rows, out, step_time=not args.quick)
+
+
+def _saved_rates(args, entries) -> list[dict] | None:
+  """The rows whose rates the entries train at (or sweep around), or ``None`` to sweep.
+
+  ``--lr``: one rate for every entry, as if a saved comparison had it;
+  ``--lr-from``: the first file that has a row wins; ``--quick`` trains at the
+  tuned rates unless a sweep is asked for (``--sweep-steps``).
+  """
+  if args.lr is not None:
+    if args.lr_from or args.lr_factors:
+      raise ValueError("--lr fixes every row's rate: give it without --lr-from and --lr-factors")
+    if not args.lr > 0:
+      raise ValueError(f"--lr must be > 0, got {args.lr}")
+    return [{"optimizer": o, "config": resolve_entry(o, c) or "default", "lr": args.lr}
+            for o, c in entries]
+  lr_from = args.lr_from or (
+      comparison.TUNED_RATES if args.quick and not args.sweep_steps else None)
+  if not lr_from:
+    return None
+  return [row for path in reversed(str(lr_from).split(","))
+          for row in json.loads(pathlib.Path(path).read_text())]
 
 
 def _write(rows: list[dict], out: pathlib.Path, write_json: bool = True, *,
