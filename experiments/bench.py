@@ -171,8 +171,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
 
   All in this process, alternating, ``rounds`` times each (medians); SkewAdam
   with its defaults and the ``"hf"`` labels (so the per-expert leaves are its
-  expert tier), and :func:`hand_written_update` (its expert math without the
-  library). Nothing is allocated or run. ``target``: a planner target
+  expert tier), the same with ``group_leaves=True`` (its leaves stacked by
+  plan; the default groups them unless JAX's default backend is the CPU, so
+  on this machine the first row is ungrouped whatever the target), and
+  :func:`hand_written_update` (its expert math without the library). Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -183,6 +185,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   tree = place(tree)
   txs = {"optax.adamw": lambda: optax.adamw(1e-3),
          "skewadam": lambda: skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf")),
+         # Its leaves stacked by plan, shape and dtype whatever the backend
+         # (the default groups them unless JAX's default backend is the CPU).
+         "skewadam, leaves grouped": lambda: skewadam_jax.skewadam(
+             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True),
          "the same math by hand": hand_written_update}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
   hlo_lines = {}

@@ -21,7 +21,13 @@ is a tree shaped like the parameters):
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
 
 * fp32: exact.
-* bf16: ``|x̃ − x| ≤ 2⁻⁸·|x|`` (round to nearest, 8 significant bits).
+* bf16: ``|x̃ − x| ≤ 2⁻⁸·|x|`` (round to nearest, 8 significant bits);
+  ``bf16`` with ``rounding="stochastic"`` (the tiers' default): ``x̃`` is one
+  of ``x``'s two bf16 neighbours, the upper with probability ``(x − lo)/(hi −
+  lo)``, so ``|x̃ − x| < 2⁻⁷·|x|`` and ``E[x̃] = x``. Rounding to nearest drops
+  every EMA increment below half a bf16 step, so a bf16 momentum stalls short
+  of a constant gradient (0.83x of it at b1 = 0.99); stochastic rounding keeps
+  it unbiased (``tests/skewadam_jax/test_encodings.py``).
 * int8: ``|x̃ − x| ≤ absmax(block)/254`` (half a step of ``absmax/127``);
   with ``int8_code="mulaw"``: ``|x̃ − x| ≤ 2.2 %·(|x| + absmax/255)`` (see
   :class:`Int8BlockEncoding`).
@@ -58,9 +64,11 @@ import jax.numpy as jnp
 
 from skewadam_jax import _explicit
 from skewadam_jax import factored
+from skewadam_jax import rounding
 from skewadam_jax.axes import MatrixAxes
 
 ENCODINGS = ("fp32", "bf16", "int8", "sign", "none")
+ROUNDINGS = ("stochastic", "nearest")
 MOMENTUM_FIELDS = ("mu", "mu_scale", "mu_row", "mu_col")
 
 Parts = dict  # field name -> array, for the fields an encoding uses
@@ -79,7 +87,8 @@ class MomentumEncoding:
   name = "base"
   matrix_only = False  # leaves declared vectors use fp32 instead
 
-  def encode(self, m: jax.Array, axes: Optional[MatrixAxes]) -> Parts:
+  def encode(self, m: jax.Array, axes: Optional[MatrixAxes], salt=None) -> Parts:
+    """``salt``: the step count, for an encoding that rounds at random (else unused)."""
     raise NotImplementedError
 
   def decode(self, parts: Parts, axes: Optional[MatrixAxes]) -> jax.Array:
@@ -97,15 +106,23 @@ class MomentumEncoding:
 
 @dataclasses.dataclass(frozen=True)
 class DenseEncoding(MomentumEncoding):
-  """The momentum as a plain array of ``dtype`` (fp32, bf16, or complex64)."""
+  """The momentum as a plain array of ``dtype`` (fp32, bf16, or complex64).
+
+  ``stochastic=True`` rounds to bf16 stochastically
+  (:func:`~skewadam_jax.rounding.stochastic_round_to_bf16_hashed`, salted by
+  the step count) instead of to nearest; other dtypes ignore it.
+  """
   dtype: Any = jnp.float32
+  stochastic: bool = False
 
   @property
   def name(self):
     return {jnp.dtype(jnp.bfloat16): "bf16",
             jnp.dtype(jnp.complex64): "complex64"}.get(jnp.dtype(self.dtype), "fp32")
 
-  def encode(self, m, axes=None):
+  def encode(self, m, axes=None, salt=None):
+    if self.stochastic and salt is not None and jnp.dtype(self.dtype) == jnp.bfloat16:
+      return {"mu": rounding.stochastic_round_to_bf16_hashed(m, salt)}
     return {"mu": m.astype(self.dtype)}
 
   def decode(self, parts, axes=None):
@@ -181,7 +198,7 @@ class Int8BlockEncoding(MomentumEncoding):
       return pieces[0]
     return jnp.concatenate([_explicit.gather_axis(p, axis) for p in pieces], axis=axis)
 
-  def encode(self, m, axes):
+  def encode(self, m, axes, salt=None):
     axis, cols = axes.pack_axis, m.shape[axes.pack_axis]
     m = m.astype(jnp.float32)
     scale = self._block_absmax(m, axis, cols)
@@ -269,7 +286,7 @@ class SignEncoding(MomentumEncoding):
     momentum keeps each row's and column's RMS (its size), not its mean ``|m|``."""
     return m * m
 
-  def encode(self, m, axes):
+  def encode(self, m, axes, salt=None):
     row, col = factored.row_col_means(self.size_statistic(m), axes)
     return {"mu": self.pack(m < 0, axes.pack_axis), "mu_row": row, "mu_col": col}
 
@@ -279,9 +296,11 @@ class SignEncoding(MomentumEncoding):
     return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 
 
-def get_encoding(name: str, *, block_size: int = 256,
-                 int8_code: str = "linear") -> MomentumEncoding | None:
+def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
+                 rounding: str = "nearest") -> MomentumEncoding | None:
   """The encoding called ``name`` (``None`` for ``"none"``).
+
+  ``rounding``: how ``"bf16"`` rounds, ``"nearest"`` or ``"stochastic"``.
 
   Raises:
     ValueError: for an unknown name, a non-positive block size or an unknown
@@ -300,10 +319,12 @@ def get_encoding(name: str, *, block_size: int = 256,
   """
   if int8_code not in INT8_CODES:
     raise ValueError(f"Unknown int8_code {int8_code!r}; expected one of {INT8_CODES}.")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"Unknown rounding {rounding!r}; expected one of {ROUNDINGS}.")
   if name == "fp32":
     return DenseEncoding(jnp.float32)
   if name == "bf16":
-    return DenseEncoding(jnp.bfloat16)
+    return DenseEncoding(jnp.bfloat16, stochastic=rounding == "stochastic")
   if name == "int8":
     if not isinstance(block_size, int) or block_size <= 0:
       raise ValueError(f"int8 block_size must be a positive int, got {block_size!r}.")

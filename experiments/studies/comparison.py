@@ -67,7 +67,9 @@ def _full_tiers(tiers: dict) -> tuple:
   """SkewAdam tier settings (``TrainConfig.skewadam_tiers()``'s form) with every
   field filled from the library's defaults, so two spellings of one
   configuration compare equal."""
-  full = tuple(dataclasses.replace(default, **tiers.get(name, {}))
+  # The rounding of a bf16 momentum changes no byte of memory: not part of a plan's identity.
+  full = tuple(dataclasses.replace(default, **{k: v for k, v in tiers.get(name, {}).items()
+                                               if k != "momentum_rounding"})
                for name, default in TIER_DEFAULTS.items())
   return full + (tiers.get(optimizers.REST_TIER) or "backbone",)
 

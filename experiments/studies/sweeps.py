@@ -39,12 +39,29 @@ TIER_KEYS = {
     "rest": (None, None, "orthogonal_rest_tier"),
     "ns_chunk": (None, None, "orthogonal_chunk"),
     "ns_dtype": (None, None, "orthogonal_dtype"),
+    # The library's safety settings (0.4's defaults): how a bf16 momentum is
+    # rounded, the update clip, the containment of non-finite gradient entries.
+    "m_round": (None, None, "momentum_rounding"),
+    "u_clip": (None, None, "update_clip"),
+    "contain": (None, None, "contain_nonfinite"),
 }
 # Keys a configuration names only when they differ from this value (so rows
 # saved before the key existed keep their identity and their runs' folders).
 IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam", "backbone_scale": "adam_rms",
             "expert_scale": "adam_rms", "rest": "backbone", "ns_chunk": "auto",
-            "ns_dtype": "float32"}
+            "ns_dtype": "float32", "m_round": "nearest", "u_clip": "off", "contain": "off"}
+# What the library does now where that is not IMPLICIT's value: a configuration
+# that does not name the key runs this.
+CURRENT = {"m_round": "stochastic", "u_clip": "auto", "contain": "on"}
+
+
+def without_safety(config: dict) -> dict:
+  """A resolved configuration without the safety keys (:data:`CURRENT`'s): its tiers.
+
+  The comparisons chose the tiers; 0.4's safety settings were re-measured on
+  the chosen row (``experiments/safe_defaults.sh``), not swept.
+  """
+  return {k: v for k, v in config.items() if k not in CURRENT}
 
 
 def base_config(*, preset: str = "small", batch_size: int = 16, data: str | None = None,
@@ -82,7 +99,7 @@ TIER_DEFAULTS = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
 
 def resolve_config(config: dict) -> dict:
   """A partial SkewAdam configuration, completed from the library's defaults."""
-  resolved = {key: config.get(key, IMPLICIT[key] if tier is None
+  resolved = {key: config.get(key, CURRENT.get(key, IMPLICIT[key]) if tier is None
                               else getattr(TIER_DEFAULTS[tier], field))
               for key, (tier, field, _) in TIER_KEYS.items()}
   return {k: v for k, v in resolved.items() if IMPLICIT.get(k) != v}
@@ -95,11 +112,15 @@ def train_overrides(config: dict) -> dict:
   (``adam``), which is not the training command's default.
 
   Example:
-    >>> train_overrides({"expert_m": "int8"})
-    {'backbone_direction': 'adam', 'expert_direction': 'adam', 'expert_momentum': 'int8'}
+    >>> train_overrides({"expert_m": "int8"})  # doctest: +NORMALIZE_WHITESPACE
+    {'backbone_direction': 'adam', 'expert_direction': 'adam', 'momentum_rounding': 'nearest',
+     'update_clip': 'off', 'contain_nonfinite': 'off', 'expert_momentum': 'int8'}
   """
   library = {TIER_KEYS[key][2]: IMPLICIT[key] for key in TRAIN_DEFAULT}
-  return {**library, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
+  # A key a resolved configuration leaves out has IMPLICIT's value, also where
+  # the library's default is now another (CURRENT): a row saved before runs as it ran.
+  before = {TIER_KEYS[key][2]: IMPLICIT[key] for key in CURRENT}
+  return {**library, **before, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
 
 
 def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str, dict | None]]:

@@ -187,6 +187,18 @@ class TrainConfig:
       None, "with an orthogonal direction: the Newton-Schulz iterates' dtype, float32 or "
       "bfloat16 (float32 accumulation); default: the library's (float32)", structural=True,
       choices=skewadam_jax.orthogonal.COMPUTE_DTYPES, kind=str)
+  momentum_rounding: str | None = setting(
+      None, "SkewAdam: how a bf16 momentum is rounded when stored, stochastic (unbiased) or "
+      "nearest; default: the library's (stochastic)", structural=True,
+      choices=skewadam_jax.encodings.ROUNDINGS, kind=str, before="nearest")
+  update_clip: str | None = setting(
+      None, "SkewAdam: Adafactor's update clip per matrix, auto (d = 1 where the form has no "
+      "bound of its own), off, or a number d; default: the library's (auto)",
+      structural=True, kind=str, before="off")
+  contain_nonfinite: str | None = setting(
+      None, "SkewAdam: count NaN, Inf and overflowing gradient entries as zero, on or off; "
+      "default: the library's (on)", structural=True, choices=("on", "off"), kind=str,
+      before="off")
   orthogonal_rest_tier: str | None = setting(
       None, "with an orthogonal backbone direction: the SkewAdam tier of the backbone "
       "leaves it leaves out (embeddings, unembedding, vectors): backbone (its compact "
@@ -255,8 +267,15 @@ class TrainConfig:
       tiers["backbone"] = backbone
     if self.router_second_moment:
       tiers["router"] = {"second_moment": self.router_second_moment}
+    if self.momentum_rounding:
+      for name in ("backbone", "expert", "router"):
+        tiers.setdefault(name, {})["momentum_rounding"] = self.momentum_rounding
     if self.orthogonal_rest_tier:
       tiers[optimizers.REST_TIER] = self.orthogonal_rest_tier
+    if self.update_clip:
+      tiers["clip_threshold"] = _clip_value(self.update_clip)
+    if self.contain_nonfinite:
+      tiers["contain_nonfinite"] = self.contain_nonfinite == "on"
     return tiers
 
   def validate(self) -> None:
@@ -288,6 +307,7 @@ class TrainConfig:
       if value is not None and not 0 <= value < math.inf:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, got {value}")
     _chunk_value(self.orthogonal_chunk)
+    _clip_value(self.update_clip)
     self.model_config()  # unknown preset / moe_impl, a shape the model refuses
     if self.stochastic_rounding and self.model_config().param_dtype != jnp.bfloat16:
       raise ValueError("--stochastic-rounding needs bfloat16 parameters "
@@ -441,11 +461,27 @@ def _chunk_value(text: str | None):
   raise ValueError(f"--orthogonal-chunk must be auto, all or a positive number, got {text!r}")
 
 
+def _clip_value(text: str | None):
+  """``--update-clip``'s value as the library's ``clip_threshold`` takes it."""
+  if text is None or text == "auto":
+    return text
+  if text == "off":
+    return None
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0 < value < math.inf:
+    raise ValueError(f"--update-clip must be auto, off or a number > 0, got {text!r}")
+  return value
+
+
 # The fields that choose SkewAdam's tiers (TrainConfig.skewadam_tiers).
 TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
-               "orthogonal_dtype", "orthogonal_rest_tier")
+               "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
+               "contain_nonfinite")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
@@ -513,9 +549,15 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
     if tier == optimizers.REST_TIER:
       fields["orthogonal_rest_tier"] = settings
       continue
+    if tier == "clip_threshold":
+      fields["update_clip"] = "off" if settings is None else str(settings)
+      continue
+    if tier == "contain_nonfinite":
+      fields["contain_nonfinite"] = "on" if settings else "off"
+      continue
     for key, value in dict(settings).items():
-      if key in ("orthogonal_chunk", "orthogonal_dtype"):  # one flag for both tiers
-        fields[key] = str(value)
+      if key in ("orthogonal_chunk", "orthogonal_dtype", "momentum_rounding"):
+        fields[key] = str(value)  # one flag for every tier
         continue
       name = f"{tier}_{key}"
       if name not in TIER_FIELDS:

@@ -108,12 +108,22 @@ def decay_mask(axes: Axes) -> Callable[[Any], Any]:
 # The key of ``skewadam_tiers`` that is not a tier: which tier holds the backbone
 # leaves the orthogonal direction leaves out (TrainConfig.orthogonal_rest_tier).
 REST_TIER = "orthogonal_rest_tier"
+# Keys of ``skewadam_tiers`` that are the library's keyword arguments, not
+# tiers: the update clip and the containment of non-finite gradient entries
+# (TrainConfig.update_clip, TrainConfig.contain_nonfinite).
+OPTION_KEYS = ("clip_threshold", "contain_nonfinite")
+
+
+def skewadam_options(skewadam_tiers: dict | None) -> dict:
+  """The library keyword arguments :data:`OPTION_KEYS` carried in ``skewadam_tiers``."""
+  return {k: v for k, v in (skewadam_tiers or {}).items() if k in OPTION_KEYS}
 
 
 def tier_configs(skewadam_tiers: dict | None) -> dict:
-  """``skewadam_tiers`` without :data:`REST_TIER`: the library's ``backbone``,
-  ``expert`` and ``router`` arguments."""
-  return {k: v for k, v in (skewadam_tiers or {}).items() if k != REST_TIER}
+  """``skewadam_tiers`` without :data:`REST_TIER` and :data:`OPTION_KEYS`: the
+  library's ``backbone``, ``expert`` and ``router`` arguments."""
+  return {k: v for k, v in (skewadam_tiers or {}).items()
+          if k != REST_TIER and k not in OPTION_KEYS}
 
 
 def skewadam_axes(axes: Axes, skewadam_tiers: dict | None = None) -> dict:
@@ -277,7 +287,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
     tx = skewadam_jax.skewadam(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
                                mask=mask, max_grad_norm=clip_norm or None,
                                **skewadam_axes(axes, skewadam_tiers),
-                               **tier_configs(skewadam_tiers))
+                               **tier_configs(skewadam_tiers),
+                               **skewadam_options(skewadam_tiers))
   elif name == "muon":
     # optax's muon() decays every leaf of its AdamW part (norm scales
     # included) with adam_weight_decay; partitioning here gives both parts

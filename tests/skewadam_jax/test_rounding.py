@@ -86,3 +86,29 @@ def test_apply_updates_stochastic_keeps_structure_dtypes_and_specials():
   step = {"x": jnp.full((256,), 0.004), "y": jnp.full((256,), 0.004)}
   out = sa.apply_updates_stochastic(same, step, jax.random.key(0))
   assert not np.array_equal(np.asarray(out["x"]), np.asarray(out["y"]))
+
+
+def test_hashed_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
+  from skewadam_jax import rounding  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=2**20), jnp.float32)
+  got = np.asarray(jax.jit(rounding.stochastic_round_to_bf16_hashed)(x, 3).astype(jnp.float32))
+  lo, hi = bf16_neighbours(np.asarray(x))
+  assert np.all((got == lo) | (got == hi))
+  step = np.where(hi > lo, hi - lo, 1.0)
+  # Each error in units of a bf16 step has spread <= 1/2: 2^20 draws put the
+  # mean's standard error at 5e-4, so 0.003 is six of them.
+  assert abs(np.mean((got - np.asarray(x)) / step)) < 0.003
+  # One value everywhere: the draws still vary by position and by salt.
+  quarter = jnp.full((2**16,), 1.0 + 2.0**-9)
+  for salt in (0, 1, 2**31 + 5):
+    up = float(jnp.mean(rounding.stochastic_round_to_bf16_hashed(quarter, salt) > 1.0))
+    assert abs(up - 0.25) < 0.01, (salt, up)
+  a, b = (rounding.stochastic_round_to_bf16_hashed(quarter, s) for s in (0, 1))
+  assert not bool(jnp.array_equal(a, b))
+  # A pure function of (x, position, salt): a resumed run rounds the same.
+  np.testing.assert_array_equal(rounding.stochastic_round_to_bf16_hashed(quarter, 1), b)
+  # A change below bf16's resolution keeps the draw, so it rarely changes the result.
+  nudged = np.asarray(x).view(np.uint32) ^ np.uint32(1)
+  other = rounding.stochastic_round_to_bf16_hashed(jnp.asarray(nudged.view(np.float32)), 3)
+  assert float(jnp.mean(other.astype(jnp.float32) != got)) < 0.001

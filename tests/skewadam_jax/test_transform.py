@@ -77,7 +77,7 @@ def test_expert_factored_second_moment_matches_per_expert_loop(shape):
   scales = jnp.arange(1, shape[-3] + 1, dtype=jnp.float32)[:, None, None]
   grads_seq = [jax.random.normal(k, shape) * scales for k in keys]
   params = {"experts": jnp.zeros(shape)}
-  tx = sa.scale_by_skewadam(b1=0.9, b2=0.95, eps=1e-8,
+  tx = sa.scale_by_skewadam(b1=0.9, b2=0.95, eps=1e-8, clip_threshold=None,
                             expert=sa.TierConfig(momentum="fp32", second_moment="factored"))
   update = jax.jit(tx.update)
   state = tx.init(params)

@@ -59,13 +59,18 @@ def test_apply_if_finite_nan_at_step_k_equals_skipping_that_batch(params, grad_s
 def test_apply_if_finite_applies_the_update_after_k_consecutive_errors(params, grad_seq):
   # The documented caveat the training loop guards against: the (K+1)-th
   # consecutive non-finite update is applied.
-  tx = optax.apply_if_finite(sa.skewadam(1e-2), max_consecutive_errors=2)
+  # Without containment it writes NaN into the parameters; with it (the
+  # default) the NaN entries count as zero and the parameters stay finite.
   bad = [poison(g, jnp.nan) for g in grad_seq[:3]]
-  after_two, state = run_steps(tx, params, bad[:2])
-  assert_trees_equal(after_two, params)
-  assert int(state.notfinite_count) == 2
-  after_three, _ = run_steps(tx, params, bad)
-  assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after_three))
+  for contain in (False, True):
+    tx = optax.apply_if_finite(sa.skewadam(1e-2, contain_nonfinite=contain),
+                               max_consecutive_errors=2)
+    after_two, state = run_steps(tx, params, bad[:2])
+    assert_trees_equal(after_two, params)
+    assert int(state.notfinite_count) == 2
+    after_three, _ = run_steps(tx, params, bad)
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after_three))
+    assert finite == contain
 
 
 @pytest.mark.parametrize("make, message", [

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# #44's re-run of the training command's default row on 0.4's library defaults
+# (stochastic rounding of the bf16 momentum, update clipping where a form has no
+# bound of its own, non-finite containment), at the rate both comparisons gave the
+# old default row (1.35e-2), set beside the default row of compare-400.json /
+# compare-long.json. About 11 min a 400-step run and 45 min a 1600-step run on
+# 2 CPU cores (one run at a time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+for runs in experiments/results/safe-defaults-400-runs experiments/results/safe-defaults-1600-runs; do
+  mkdir -p "$runs"  # keep only what --reuse-runs reads back
+  cp experiments/results/compare-400-runs/.gitignore "$runs/.gitignore"
+done
+ROW=(--optimizers skewadam --skewadam-configs "" --lr 0.0135 --reuse-runs --no-progress)
+if [ -n "${SEEDS_400-0,1,2}" ]; then
+  "$PYTHON" -m experiments.compare --steps 400 --seeds "${SEEDS_400-0,1,2}" "${ROW[@]}" \
+      --runs experiments/results/safe-defaults-400-runs --out experiments/results \
+      --name safe-defaults-400
+fi
+if [ -n "${SEEDS_1600-0,1,2}" ]; then
+  "$PYTHON" -m experiments.compare --steps 1600 --seeds "${SEEDS_1600-0,1,2}" "${ROW[@]}" \
+      --runs experiments/results/safe-defaults-1600-runs --out experiments/results \
+      --name safe-defaults-1600
+fi

@@ -1,0 +1,81 @@
+"""Leaves of one plan, shape and dtype stepped together (transform.leaf_groups, issue 44):
+the same update and state as each leaf alone, and a program that grows with plans, not leaves.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import skewadam_jax as sa
+from skewadam_jax import transform
+
+
+def _per_expert_tree(experts, d=8, f=16):
+  """A Hugging Face-shaped layer: one 2-D leaf per expert weight, a router, a norm, an embedding."""
+  tree = {"embed_tokens": jnp.zeros((32, d)), "norm": {"weight": jnp.zeros((d,))},
+          "block_sparse_moe": {"gate": {"kernel": jnp.zeros((d, experts))},
+                               "experts": {str(e): {"w1": jnp.zeros((d, f)),
+                                                    "w2": jnp.zeros((f, d))}
+                                           for e in range(experts)}}}
+  return tree
+
+
+def _grads(tree, step):
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.PRNGKey(step), len(leaves))
+  return treedef.unflatten([jnp.exp(2.0 * jax.random.normal(k, x.shape))
+                            * jnp.sign(jax.random.normal(jax.random.fold_in(k, 1), x.shape))
+                            for k, x in zip(keys, leaves)])
+
+
+SETTINGS = {
+    "default": {},
+    "orthogonal": sa.orthogonal_settings(),
+    "int8-bf16": {"expert": {"momentum": "int8", "int8_block_size": 8},
+                  "backbone": {"momentum": "bf16", "second_moment": "exact"}},
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_grouped_steps_equal_each_leaf_stepped_alone(name):
+  tree = _per_expert_tree(4)
+  kw = dict(param_labels=sa.label_fn("hf"), max_grad_norm=1.0, **SETTINGS[name])
+  grouped, alone = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in (True, False))
+  s1, s2 = grouped.init(tree), alone.init(tree)
+  for step in range(3):
+    g = _grads(tree, step)
+    u1, s1 = jax.jit(grouped.update)(g, s1)
+    u2, s2 = jax.jit(alone.update)(g, s2)
+    for a, b in zip(jax.tree.leaves((u1, s1)), jax.tree.leaves((u2, s2))):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=1e-4, atol=1e-5)  # batched matmuls round differently
+
+
+def test_leaf_groups_share_plan_shape_and_dtype_within_the_bound():
+  tree = {"a": jnp.zeros((4, 4)), "b": jnp.zeros((4, 4)), "c": jnp.zeros((4, 4), jnp.bfloat16),
+          "d": jnp.zeros((4, 8)), "e": jnp.zeros((4, 4)), "v": jnp.zeros((4,))}
+  leaves = jax.tree.leaves(tree)
+  plans = sa.leaf_plans(tree, param_labels="expert")
+  assert transform.leaf_groups(plans, leaves) == [[0, 1, 4], [2], [3], [5]]
+  # At most max_elements entries a group; a leaf over half of it alone.
+  assert transform.leaf_groups(plans, leaves, max_elements=32) == [[0, 1], [2], [3], [4], [5]]
+  assert transform.leaf_groups(plans, leaves, max_elements=None) == [[i] for i in range(6)]
+  labels = {"a": "expert", "b": "backbone", "c": "expert", "d": "expert", "e": "expert",
+            "v": "expert"}
+  plans = sa.leaf_plans(tree, param_labels=labels)
+  assert transform.leaf_groups(plans, leaves)[0] == [0, 4]  # another tier: another plan
+
+
+def _hlo_lines(experts, group):
+  tree = _per_expert_tree(experts)
+  tx = sa.scale_by_skewadam(param_labels=sa.label_fn("hf"), group_leaves=group)
+  return jax.jit(tx.update).trace(tree, tx.init(tree)).lower().as_text().count("\n")
+
+
+def test_the_program_grows_with_plans_not_leaves():
+  small, large = _hlo_lines(4, True), _hlo_lines(16, True)
+  alone_small, alone_large = _hlo_lines(4, False), _hlo_lines(16, False)
+  assert alone_large > 2.5 * alone_small  # each leaf its own ops
+  # Grouped: only the stack and the slices grow (a few lines a leaf).
+  assert large - small < 0.25 * (alone_large - alone_small)
