@@ -137,7 +137,7 @@ class TierConfig:
       constant gradient at b1 = 0.99, each entry within about
       ``2⁻⁸/√(1 − b1²)``) or ``"nearest"`` (every increment below half a
       bf16 step is dropped: the momentum stalls short of its EMA, at 0.83x of
-      a constant gradient at b1 = 0.99; what every run before 0.4 measured).
+      a constant gradient at b1 = 0.99; the default before 0.3.0, and what every run before it measured).
 
   The update's bound, by form (Adam's direction): dense momentum (fp32, bf16)
   with an exact ``v`` keeps Adam's, ``|m̂/√v̂| ≤ (1 − b1)/√((1 − b2)(1 − b1²/b2))``
@@ -957,7 +957,7 @@ def scale_by_skewadam(
       ``v`` or a compact momentum in Adam's direction, whose
       reconstructions can make single entries far larger than Adam's, 6–23x
       at step 1); a number: that ``d`` on every declared matrix in Adam's
-      direction; ``None``: no clipping (what every run before 0.4 measured).
+      direction; ``None``: no clipping (the default before 0.3.0, and what every run before it measured).
     contain_nonfinite: ``True`` (default): gradient entries that are not
       finite, or whose square could overflow a sum over their leaf
       (``|g| > √(max_float32 / size)``, which ``optax.apply_if_finite`` lets
@@ -967,7 +967,7 @@ def scale_by_skewadam(
       one NaN or one 3e19 entry spreads over its whole matrix and stays).
       Ordinary entries pass unchanged, but the extra select lets XLA order
       some products differently (last-bit differences). ``False``: off
-      (what every run before 0.4 measured).
+      (the default before 0.3.0, and what every run before it measured).
     max_grad_norm: clip the incoming updates to this global norm first, as
       ``optax.clip_by_global_norm(max_grad_norm)`` chained in front does,
       with the same result bit for bit; ``None`` (default): no clipping. The

@@ -433,6 +433,8 @@ def verdict_text(rows: Sequence[dict]) -> str:
     else:
       parts.append(f"against {other}: {order} perplexity by {abs(diff):.2f} "
                    f"({margin:.1f}x the larger seed spread)")
+  if not parts:
+    return "No AdamW or Muon row: SkewAdam's default has nothing to be ordered against."
   if one_seed:
     return ("No verdict for SkewAdam's default: a row of one seed has no seed spread to "
             "order a pair by; " + "; ".join(parts) + ".")

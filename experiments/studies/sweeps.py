@@ -39,7 +39,7 @@ TIER_KEYS = {
     "rest": (None, None, "orthogonal_rest_tier"),
     "ns_chunk": (None, None, "orthogonal_chunk"),
     "ns_dtype": (None, None, "orthogonal_dtype"),
-    # The library's safety settings (0.4's defaults): how a bf16 momentum is
+    # The library's safety settings (0.3.0's defaults): how a bf16 momentum is
     # rounded, the update clip, the containment of non-finite gradient entries.
     "m_round": (None, None, "momentum_rounding"),
     "u_clip": (None, None, "update_clip"),
@@ -58,7 +58,7 @@ CURRENT = {"m_round": "stochastic", "u_clip": "auto", "contain": "on"}
 def without_safety(config: dict) -> dict:
   """A resolved configuration without the safety keys (:data:`CURRENT`'s): its tiers.
 
-  The comparisons chose the tiers; 0.4's safety settings were re-measured on
+  The comparisons chose the tiers; 0.3.0's safety settings were re-measured on
   the chosen row (``experiments/safe_defaults.sh``), not swept.
   """
   return {k: v for k, v in config.items() if k not in CURRENT}

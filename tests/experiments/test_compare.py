@@ -135,6 +135,7 @@ def test_the_verdict_orders_a_pair_only_outside_twice_the_seed_spread():
   assert "against adamw: within noise (difference -2.00, 0.7x the larger seed spread" in text
   assert "against muon: higher perplexity by 21.00 (10.5x the larger seed spread)" in text
   assert comparison.ordering(muon, default) == ("lower", 10.5)
+  assert comparison.verdict_text([default]).startswith("No AdamW or Muon row")  # alone: no order
   # choose_default's choice matches AdamW only by the spread rule here: it says so.
   adamw_row = {**adamw, "opt_state_bytes_6p78b": 54e9}
   assert "matches AdamW only by the spread rule (a tie, not a win)" in comparison.choice_text(

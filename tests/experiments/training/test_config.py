@@ -172,7 +172,13 @@ def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
   check = config_lib.resume_check(dataclasses.asdict(config_lib.TrainConfig()))
   assert "backbone_direction='adam'" in check({"config": saved})
   adam = config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")
-  assert config_lib.resume_check(dataclasses.asdict(adam))({"config": saved}) is None
+  # ... and ran with the safety settings of before 0.3.0: a resume names them too.
+  assert "momentum_rounding='nearest'" in config_lib.resume_check(dataclasses.asdict(adam))(
+      {"config": saved})
+  old = dataclasses.replace(adam, momentum_rounding="nearest", update_clip="off",
+                            contain_nonfinite="off")
+  assert config_lib.resume_check(dataclasses.asdict(old))({"config": saved}) is None
+  assert old.skewadam_tiers()["clip_threshold"] is None
   assert adam.skewadam_tiers() == {} and config_lib.TrainConfig().skewadam_tiers() == {
       "backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"}}
   # Another optimizer does not read the tier fields: its old runs are the same runs.
