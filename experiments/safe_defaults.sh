@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# #44's re-run of the training command's default row on 0.4's library defaults
+# #44's re-run of the training command's default row on 0.3.0's library defaults
 # (stochastic rounding of the bf16 momentum, update clipping where a form has no
 # bound of its own, non-finite containment), at the rate both comparisons gave the
 # old default row (1.35e-2), set beside the default row of compare-400.json /
