@@ -16,6 +16,8 @@ is a tree shaped like the parameters):
 |        |                                            | ``block_size`` along the matrix's columns      | (1.016 at 256)         |
 | sign   | sign bits, packed 8 to a uint8 along the   | ``mu_row``, ``mu_col``: float32 row and column | 1/8 + 4·(R + C)/(R·C)  |
 |        | columns (1 = negative)                     | means of ``m²`` of each matrix                 | (≈ 0.128 for 1024²)    |
+| lowrank| ``mu_row``: ``P``, float32, the matrix's   | ``mu_col``: ``Qᵀ``, float32, the rows side     | 4·r·(R + C)/(R·C)      |
+|        | columns side replaced by the rank ``r``    | replaced by ``r``; ``m ≈ P·Qᵀ``                | (0.11 at 1024×1400, 16)|
 | none   | nothing: no momentum (``m_t = g_t``)       |                                                | 0                      |
 
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
@@ -67,7 +69,7 @@ from skewadam_jax import factored
 from skewadam_jax import rounding
 from skewadam_jax.axes import MatrixAxes
 
-ENCODINGS = ("fp32", "bf16", "int8", "sign", "none")
+ENCODINGS = ("fp32", "bf16", "int8", "sign", "lowrank", "none")
 ROUNDINGS = ("stochastic", "nearest")
 MOMENTUM_FIELDS = ("mu", "mu_scale", "mu_row", "mu_col")
 
@@ -87,8 +89,10 @@ class MomentumEncoding:
   name = "base"
   matrix_only = False  # leaves declared vectors use fp32 instead
 
-  def encode(self, m: jax.Array, axes: Optional[MatrixAxes], salt=None) -> Parts:
-    """``salt``: the step count, for an encoding that rounds at random (else unused)."""
+  def encode(self, m: jax.Array, axes: Optional[MatrixAxes], salt=None,
+             previous: Optional[Parts] = None) -> Parts:
+    """``salt``: the step count, for an encoding that rounds at random;
+    ``previous``: the parts it replaces, for one that refines them (else unused)."""
     raise NotImplementedError
 
   def decode(self, parts: Parts, axes: Optional[MatrixAxes]) -> jax.Array:
@@ -120,7 +124,7 @@ class DenseEncoding(MomentumEncoding):
     return {jnp.dtype(jnp.bfloat16): "bf16",
             jnp.dtype(jnp.complex64): "complex64"}.get(jnp.dtype(self.dtype), "fp32")
 
-  def encode(self, m, axes=None, salt=None):
+  def encode(self, m, axes=None, salt=None, previous=None):
     if self.stochastic and salt is not None and jnp.dtype(self.dtype) == jnp.bfloat16:
       return {"mu": rounding.stochastic_round_to_bf16_hashed(m, salt)}
     return {"mu": m.astype(self.dtype)}
@@ -198,7 +202,7 @@ class Int8BlockEncoding(MomentumEncoding):
       return pieces[0]
     return jnp.concatenate([_explicit.gather_axis(p, axis) for p in pieces], axis=axis)
 
-  def encode(self, m, axes, salt=None):
+  def encode(self, m, axes, salt=None, previous=None):
     axis, cols = axes.pack_axis, m.shape[axes.pack_axis]
     m = m.astype(jnp.float32)
     scale = self._block_absmax(m, axis, cols)
@@ -286,7 +290,7 @@ class SignEncoding(MomentumEncoding):
     momentum keeps each row's and column's RMS (its size), not its mean ``|m|``."""
     return m * m
 
-  def encode(self, m, axes, salt=None):
+  def encode(self, m, axes, salt=None, previous=None):
     row, col = factored.row_col_means(self.size_statistic(m), axes)
     return {"mu": self.pack(m < 0, axes.pack_axis), "mu_row": row, "mu_col": col}
 
@@ -296,8 +300,58 @@ class SignEncoding(MomentumEncoding):
     return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 
 
+@dataclasses.dataclass(frozen=True)
+class LowRankEncoding(MomentumEncoding):
+  """A rank-``r`` factorisation ``m ≈ P·Qᵀ`` of each matrix, refined once a step.
+
+  PowerSGD's warm-started subspace iteration, one step per update: with the
+  previous step's ``Q`` (``C × r``), ``P = orth(m·Q)`` and ``Q = mᵀ·P``, so the
+  stored ``P·Qᵀ = P·Pᵀ·m`` is ``m`` projected on a subspace that follows its
+  leading left singular vectors over the steps (exact when ``m`` has rank at
+  most ``r``). What it costs: ``4·r·(R + C)`` bytes a ``R × C`` matrix, and
+  the directions of ``m`` outside the subspace are dropped each step (no
+  error feedback: it would store a full-size residual). Before the first
+  step ``Q`` is zero and a fixed pseudo-random ``Q`` starts the iteration.
+  Needs a matrix of one row axis and one column axis.
+  """
+  rank: int = 16
+  name = "lowrank"
+  matrix_only = True
+
+  @staticmethod
+  def _sides(axes: MatrixAxes) -> tuple[int, int]:
+    if len(axes.row_axes) != 1 or len(axes.col_axes) != 1:
+      raise ValueError(f"momentum='lowrank' needs one row axis and one column axis, got "
+                       f"matrix axes {axes}; declare the matrix with single axes or use "
+                       "another encoding.")
+    return axes.row_axes[0], axes.col_axes[0]
+
+  def encode(self, m, axes, salt=None, previous=None):
+    rows, cols = self._sides(axes)
+    last_two = lambda x: jnp.moveaxis(x, (rows, cols), (-2, -1))  # noqa: E731
+    back = lambda x: jnp.moveaxis(x, (-2, -1), (rows, cols))  # noqa: E731
+    m = last_two(m.astype(jnp.float32))  # [..., R, C]
+    r = min(self.rank, m.shape[-2], m.shape[-1])
+    q_shape = m.shape[:-2] + (m.shape[-1], r)
+    start = jax.random.normal(jax.random.key(0), q_shape, jnp.float32)
+    if previous is None:
+      q = start
+    else:
+      q = jnp.swapaxes(last_two(previous["mu_col"]), -1, -2)  # stored as Qᵀ
+      q = jnp.where(jnp.any(q != 0, axis=(-2, -1), keepdims=True), q, start)
+    p, _ = jnp.linalg.qr(m @ q)
+    q_t = jnp.swapaxes(p, -1, -2) @ m  # Qᵀ = Pᵀ·m, [..., r, C]
+    return {"mu_row": back(p), "mu_col": back(q_t)}
+
+  def decode(self, parts, axes):
+    rows, cols = self._sides(axes)
+    last_two = lambda x: jnp.moveaxis(x, (rows, cols), (-2, -1))  # noqa: E731
+    return jnp.moveaxis(last_two(parts["mu_row"]) @ last_two(parts["mu_col"]), (-2, -1),
+                        (rows, cols))
+
+
 def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
-                 rounding: str = "nearest") -> MomentumEncoding | None:
+                 rounding: str = "nearest", rank: int = 16) -> MomentumEncoding | None:
   """The encoding called ``name`` (``None`` for ``"none"``).
 
   ``rounding``: how ``"bf16"`` rounds, ``"nearest"`` or ``"stochastic"``.
@@ -331,6 +385,10 @@ def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
     return Int8BlockEncoding(block_size, int8_code)
   if name == "sign":
     return SignEncoding()
+  if name == "lowrank":
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+      raise ValueError(f"lowrank rank must be a positive int, got {rank!r}.")
+    return LowRankEncoding(rank)
   if name == "none":
     return None
   raise ValueError(f"Unknown momentum encoding {name!r}; expected one of {ENCODINGS}.")

@@ -86,9 +86,9 @@ class TierConfig:
 
   Attributes:
     momentum: the momentum encoding, one of ``"fp32"``, ``"bf16"``, ``"int8"``,
-      ``"sign"``, ``"none"`` (see :mod:`skewadam_jax.encodings` for bytes per
-      parameter and round-trip bounds). ``"int8"`` and ``"sign"`` apply to
-      declared matrices; vectors store fp32.
+      ``"sign"``, ``"lowrank"``, ``"none"`` (see :mod:`skewadam_jax.encodings`
+      for bytes per parameter and round-trip bounds). ``"int8"``, ``"sign"``
+      and ``"lowrank"`` apply to declared matrices; vectors store fp32.
     second_moment: ``"exact"`` (one value per parameter) or ``"factored"``
       (row and column statistics over the declared matrix axes; vectors stay
       exact).
@@ -131,6 +131,9 @@ class TierConfig:
     orthogonal_dtype: the Newton–Schulz iterates' dtype, ``"float32"`` or
       ``"bfloat16"`` (products accumulated in float32; Muon's usual precision,
       half the temporaries).
+    lowrank_rank: the rank ``r`` of the ``"lowrank"`` momentum
+      (:class:`~skewadam_jax.encodings.LowRankEncoding`: ``4·r·(R + C)`` bytes
+      a ``R × C`` matrix; 16 keeps ``moe-6.78b``'s whole state within 1.29 GB).
     momentum_rounding: how a ``"bf16"`` momentum is rounded when stored:
       ``"stochastic"`` (the default; unbiased, so the stored EMA follows the
       fp32 one at any ``b1``: within 0.1 % on average after 1000 steps of a
@@ -158,6 +161,7 @@ class TierConfig:
   orthogonal_chunk: Union[int, str] = "auto"
   orthogonal_dtype: str = "float32"
   momentum_rounding: str = "stochastic"
+  lowrank_rank: int = 16
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -171,7 +175,8 @@ class TierConfig:
     # so equal configs compare and hash equal.
     object.__setattr__(self, "int8_block_size", int(self.int8_block_size))
     encodings.get_encoding(self.momentum, block_size=self.int8_block_size,
-                           int8_code=self.int8_code, rounding=self.momentum_rounding)
+                           int8_code=self.int8_code, rounding=self.momentum_rounding,
+                           rank=self.lowrank_rank)
     if self.momentum == "sign" and self.second_moment == "exact" and self.direction == "adam":
       raise ValueError(
           "momentum='sign' with second_moment='exact' has no bound on the update: the "
@@ -412,7 +417,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
     config = configs[tier]
     encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size,
                                       int8_code=config.int8_code,
-                                      rounding=config.momentum_rounding)
+                                      rounding=config.momentum_rounding,
+                                      rank=config.lowrank_rank)
     if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
       encoding = encodings.DenseEncoding(
           jnp.complex64 if _is_complex(leaf) else jnp.float32)
@@ -619,7 +625,7 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   if encoding is None:
     m_hat = g32
   else:
-    new.update(sign_parts if sign else encoding.encode(m, plan.axes, salt=count))
+    new.update(sign_parts if sign else encoding.encode(m, plan.axes, salt=count, previous=parts))
     if nesterov:
       # optax.scale_by_adam(nesterov=True): each term with its own bias correction.
       m_hat = (b1 * m / _bias_correction(b1, optax.safe_increment(count))
@@ -677,7 +683,7 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
     else:
       m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
       nesterov = b1 * m + c1 * g32
-      new = plan.encoding.encode(m, axes, salt=count)
+      new = plan.encoding.encode(m, axes, salt=count, previous=momentum)
     update = orthogonal.newton_schulz(nesterov, axes, dtype=plan.orthogonal_dtype)
     if plan.neuron_b2 is not None:
       update, new["nu_col"] = orthogonal.normalize_per_neuron(
@@ -983,11 +989,13 @@ def scale_by_skewadam(
       a group, not once a leaf; the result is the same to float32 round-off
       (batched products and reductions may sum in another order). What it
       costs is one output slice a leaf and field, and XLA:CPU compiles those
-      slowly (about 30 ms each against 2 ms for an elementwise kernel): on a
-      126-leaf Hugging Face Mixtral-shaped tree, trace + compile took 16.0 s
-      grouped against 28.8 s alone for XLA:GPU (A100 target; AdamW 5.6 s),
-      but 30.7 s against 20.4 s for XLA:CPU. ``"auto"`` (default): grouped
-      unless JAX's default backend is the CPU. ``False``: each leaf alone.
+      slowly (about 30 ms each against 2 ms for an elementwise kernel): on
+      the 501-leaf Hugging Face Mixtral-shaped tree of ``python -m
+      experiments.bench --compile-time``, trace + compile took 43.07 s
+      grouped against 97.08 s alone for XLA:GPU (A100 target; AdamW 13.90 s),
+      but 100.09 s against 54.04 s for XLA:CPU (AdamW 8.30 s). ``"auto"``
+      (default): grouped unless JAX's default backend is the CPU. ``False``:
+      each leaf alone.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a

@@ -150,6 +150,9 @@ class TrainConfig:
   expert_momentum: str | None = setting(
       None, "SkewAdam expert-tier momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
+  expert_lowrank_rank: int | None = setting(
+      None, "with --expert-momentum lowrank: the rank of each expert matrix's momentum "
+      "factors (default: the library's, 16)", structural=True, kind=int)
   backbone_momentum: str | None = setting(
       None, "SkewAdam backbone momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
@@ -244,6 +247,8 @@ class TrainConfig:
     # command's default changed.
     library = lambda d: None if d == optimizers.LIBRARY_DIRECTION else d
     expert = {k: v for k, v in (("momentum", self.expert_momentum),
+                                ("lowrank_rank", None if self.expert_lowrank_rank is None
+                                 else int(self.expert_lowrank_rank)),
                                 ("direction", library(self.expert_direction)),
                                 ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
     chunk = _chunk_value(self.orthogonal_chunk)
@@ -481,7 +486,7 @@ TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
                "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
-               "contain_nonfinite")
+               "contain_nonfinite", "expert_lowrank_rank")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import skewadam_jax as sa
 from skewadam_jax import encodings
 from skewadam_jax import factored
 from skewadam_jax.axes import MatrixAxes
@@ -185,3 +186,45 @@ def test_ordinary_entries_beside_an_outlier_column_keep_their_momentum(code, low
   ratio = float(jnp.median((got / want)[:, ordinary]))
   print(f"int8 {code}: ordinary entries' update x fp32 momentum's: {ratio:.2f}")  # pytest -s
   assert low <= ratio <= high, ratio
+
+
+def test_lowrank_momentum_is_exact_for_a_low_rank_matrix_and_finds_the_top_subspace():
+  enc = sa.get_encoding("lowrank", rank=3)
+  axes = sa.MatrixAxes(1, 2)
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  u = jax.random.normal(keys[0], (2, 12, 3))
+  v = jax.random.normal(keys[1], (2, 3, 20))
+  m = u @ v  # rank 3 in each of two matrices
+  parts = enc.encode(m, axes)
+  assert parts["mu_row"].shape == (2, 12, 3) and parts["mu_col"].shape == (2, 3, 20)
+  np.testing.assert_allclose(enc.decode(parts, axes), m, rtol=1e-4, atol=1e-4)
+  # A full-rank matrix: refined step after step, P·Qᵀ tends to its best rank-3
+  # approximation (the truncated SVD), as a subspace iteration does.
+  full = jax.random.normal(keys[2], (12, 20)) * jnp.linspace(3.0, 0.1, 20)
+  parts = enc.encode(full, sa.MatrixAxes(0, 1))
+  for _ in range(30):
+    parts = enc.encode(full, sa.MatrixAxes(0, 1), previous=parts)
+  s_u, s, s_vt = np.linalg.svd(np.asarray(full), full_matrices=False)
+  best = (s_u[:, :3] * s[:3]) @ s_vt[:3]
+  np.testing.assert_allclose(enc.decode(parts, sa.MatrixAxes(0, 1)), best, rtol=1e-3, atol=1e-3)
+  # Columns first ([C, R] with rows on axis 1) is the same matrix transposed.
+  t = enc.decode(enc.encode(m.transpose(0, 2, 1), sa.MatrixAxes(2, 1)), sa.MatrixAxes(2, 1))
+  np.testing.assert_allclose(t, m.transpose(0, 2, 1), rtol=1e-4, atol=1e-4)
+  assert enc.bytes_per_param((1024, 1400)) == pytest.approx(4 * 3 * (1024 + 1400) / (1024 * 1400))
+  with pytest.raises(ValueError, match="one row axis and one column axis"):
+    enc.encode(jnp.zeros((4, 2, 3)), sa.MatrixAxes(0, (1, 2)))
+  with pytest.raises(ValueError, match="rank must be a positive int"):
+    sa.TierConfig("lowrank", "factored", lowrank_rank=0)
+
+
+def test_lowrank_expert_momentum_steps_in_both_directions():
+  params = {"layers": {"moe": {"experts": {"w_up": jnp.zeros((2, 4, 16, 24))}}}}
+  for direction in ("adam", "orthogonal"):
+    tx = sa.scale_by_skewadam(param_labels="expert", expert=sa.TierConfig(
+        "lowrank", "factored", lowrank_rank=4, direction=direction))
+    state = tx.init(params)
+    for step in range(3):
+      g = jax.tree.map(lambda p, s=step: jax.random.normal(jax.random.PRNGKey(s), p.shape), params)
+      u, state = jax.jit(tx.update)(g, state)
+      assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+    assert state.mu_row["layers"]["moe"]["experts"]["w_up"].shape == (2, 4, 16, 4)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# #42's attribution rows for the expert bank's momentum, on the library's 0.3.0
+# defaults: the training command's default row (orthogonal tiers, rate 1.35e-2,
+# `small`, 1600 steps, seed 0) with only the expert momentum changed, against that
+# row's seed-0 run on the same defaults (experiments/safe_defaults.sh). Rows:
+#   lowrank-2   rank-2 factors: at `small`'s 128 x 256 experts, the bytes a
+#               parameter that rank 16 costs at moe-6.78b's 1024 x 1400
+#   lowrank-16  the library's default rank (1.064 GB of state at moe-6.78b)
+#   none        no expert momentum (the attribution's 59.39 row, re-run here)
+# ROWS picks some ("lowrank-2 none"); each is about 45 min on 2 CPU cores beside
+# another. A finished row is not trained again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+RUNS=experiments/results/expert-momentum-runs
+mkdir -p "$RUNS"
+cp experiments/results/compare-400-runs/.gitignore "$RUNS/.gitignore"
+BASE=(--preset small --optimizer skewadam --steps 1600 --lr 0.0135 --seed 0 --batch-size 16
+      --eval-every 100 --eval-batches 16 --log-every 1 --sample-tokens 0 --ckpt-every 1000000000)
+declare -A FLAGS=(
+  [lowrank-2]="--expert-momentum lowrank --expert-lowrank-rank 2"
+  [lowrank-16]="--expert-momentum lowrank --expert-lowrank-rank 16"
+  [none]="--expert-momentum none"
+)
+for row in ${ROWS:-lowrank-2 lowrank-16 none}; do
+  if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
+    continue
+  fi
+  # shellcheck disable=SC2086
+  "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$row]} --out "$RUNS/$row"
+done
+# rewrites the committed experiments/results/expert-momentum.md
+"$PYTHON" -m experiments.compare --runs-table "$(ls -d $RUNS/*/ | paste -sd, -)" \
+    --baseline experiments/results/safe-defaults-1600-runs/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-stochastic-auto-on-seed0 \
+    > experiments/results/expert-momentum.md
