@@ -312,7 +312,9 @@ class LowRankEncoding(MomentumEncoding):
   the directions of ``m`` outside the subspace are dropped each step (no
   error feedback: it would store a full-size residual). Before the first
   step ``Q`` is zero and a fixed pseudo-random ``Q`` starts the iteration.
-  Needs a matrix of one row axis and one column axis.
+  Needs a matrix of one row axis and one column axis; explicit sharding (sharding
+  in types) of its QR is not supported. The factors are unique only up to a
+  rotation: compare two states by their product.
   """
   rank: int = 16
   name = "lowrank"

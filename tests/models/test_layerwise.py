@@ -128,7 +128,10 @@ FP32_TIERS = {"backbone": {"momentum": "fp32"}, "expert": {"momentum": "fp32"}}
 @pytest.mark.parametrize("name, tiers, atol", [
     ("adamw", None, 1e-4),
     ("skewadam", FP32_TIERS, 1e-4),
-    ("skewadam", None, 1e-4),
+    # The default tiers round the bf16 momentum stochastically: a last-bit
+    # difference between the two programs can send one entry to its other bf16
+    # neighbour (one entry of 2048 moved 1.4e-4 here).
+    ("skewadam", None, 3e-4),
 ])
 def test_exact_mode_equals_the_standard_step_with_clipping(tiny32, pairs, name, tiers, atol):
   (std_params, std_state), (lw_params, lw_state), norms = _run_both(

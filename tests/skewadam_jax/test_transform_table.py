@@ -85,7 +85,10 @@ class Config:
 
 
 DTYPES = ("float32", "bfloat16")
-CONFIGS = [Config(m, s, d) for d in DTYPES for m in sa.ENCODINGS
+# lowrank is tested on its own (test_encodings.py): its factors are unique only up
+# to a rotation, so two programs' states compare by their product, and explicit
+# sharding of its QR is not supported.
+CONFIGS = [Config(m, s, d) for d in DTYPES for m in sa.ENCODINGS if m != "lowrank"
            for s in ("exact", "factored") if (m, s) != ("sign", "exact")] + [
     Config(None, None, d) for d in DTYPES]
 table = pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
