@@ -99,7 +99,7 @@ def test_compile_times_of_a_per_expert_tree():
   for target in targets:  # XLA:CPU, and XLA:GPU without a GPU where the extra is installed
     result = bench.compile_times(tree, rounds=1, target=target)
     assert result["leaves"] == 15 and set(result["rows"]) == {
-        "optax.adamw", "skewadam", "the same math by hand"}
+        "optax.adamw", "skewadam", "skewadam, leaves grouped", "the same math by hand"}
     assert (result["target"], result["warning"]) == (target, None)
     assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
     for row in result["rows"].values():

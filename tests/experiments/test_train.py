@@ -67,7 +67,7 @@ def test_every_flag_has_help_and_the_structural_fields_come_from_the_config():
   assert all(a.help and a.help.strip() for a in options), [
       a.option_strings for a in options if not a.help]
   help_text = parser.format_help()
-  assert "{fp32,bf16,int8,sign,none}" in help_text and "default 600" in help_text
+  assert "{fp32,bf16,int8,sign,lowrank,none}" in help_text and "default 600" in help_text
   assert "backbone_momentum" in config_lib.STRUCTURAL_FIELDS
   assert not {"eval_every", "log_every", "ckpt_every", "mesh"} & set(config_lib.STRUCTURAL_FIELDS)
 

@@ -31,10 +31,13 @@ RUN_CONFIG = dict(steps=8, ckpt_every=2, **TINY)
 
 @pytest.fixture(scope="module")
 def runs(corpus, cache_dir):
-  """Runs shared by several tests, by --skip-nonfinite value: each compiles once."""
-  return {skip: training.Run(train_lib.TrainConfig(data=corpus, skip_nonfinite=skip,
-                                                    **RUN_CONFIG), cache_dir=cache_dir)
-          for skip in (0, 2)}
+  """Runs shared by several tests, by --skip-nonfinite value: each compiles once.
+
+  Without skipping, containment is off: the library's default would count the
+  injected NaN gradients as zero and the run would not stop at all."""
+  return {skip: training.Run(train_lib.TrainConfig(
+      data=corpus, skip_nonfinite=skip, contain_nonfinite=None if skip else "off",
+      **RUN_CONFIG), cache_dir=cache_dir) for skip in (0, 2)}
 
 
 def test_training_skips_a_nan_step_exactly(tmp_path, runs):
@@ -71,6 +74,8 @@ def test_non_finite_run_stops_with_one_line_and_keeps_good_checkpoints(
            "--log-every", "1", "--warmup-steps", "2", "--steps", "8", "--ckpt-every", "2",
            "--data", corpus, "--out", str(tmp_path), "--no-progress",
            "--skip-nonfinite", str(skip), "--sample-tokens", "0"]
+  if not skip:
+    flags += ["--contain-nonfinite", "off"]
   assert train_lib.main(flags) == 3
   err = capsys.readouterr().err.strip()
   assert err.startswith(message) and "\n" not in err, err
