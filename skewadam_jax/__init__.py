@@ -8,7 +8,8 @@ The public API:
   and expert tiers: the configuration that measured best at SkewAdam's memory
   (:func:`orthogonal_settings`: its arguments, for :func:`plan_table`).
 * :class:`TierConfig` — how a tier stores its momentum and second moment.
-* :class:`MatrixAxes` — which two axes of a leaf form its matrix.
+* :class:`MatrixAxes` — which two axes of a leaf form its matrix
+  (:func:`named_matrix_axes`: those of a named pattern set's trees).
 * :func:`moe_param_labels`, :data:`PATTERNS`, :func:`label_fn`,
   :func:`label_names` — path-regex labellers (trees, or lists with names).
 * :func:`plan_table` — the first thing to run on a new model: every leaf's
@@ -38,6 +39,7 @@ from skewadam_jax.alias import EMBEDDING_PATTERNS
 from skewadam_jax.alias import orthogonal_settings
 from skewadam_jax.alias import skewadam_orthogonal
 from skewadam_jax.axes import MatrixAxes
+from skewadam_jax.axes import named_matrix_axes
 from skewadam_jax.encodings import ENCODINGS
 from skewadam_jax.encodings import get_encoding
 from skewadam_jax.labels import BACKBONE
@@ -84,7 +86,7 @@ __all__ = [
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "check_separable", "get_encoding", "label_fn", "label_names",
     "layerwise_step", "leaf_plans",
-    "matrices_only", "moe_param_labels", "newton_schulz", "orthogonal_settings", "plan_table",
+    "matrices_only", "moe_param_labels", "named_matrix_axes", "newton_schulz", "orthogonal_settings", "plan_table",
     "scale_by_skewadam",
     "scanned_matrix_axes", "skewadam", "skewadam_orthogonal",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",

@@ -36,9 +36,11 @@ matrix.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
+import numpy as np
 
 from skewadam_jax import labels as labels_lib
 
@@ -156,6 +158,138 @@ def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
 def default_matrix_axes(tree):
   """The default declaration: the last two axes of every leaf with ``ndim >= 2``."""
   return jax.tree.map(lambda x: MatrixAxes() if len(x.shape) >= 2 else None, tree)
+
+
+# Where a named pattern set's trees stack their layers (a regex and the axis)
+# and whether a projection stores its input axes first: MaxText's scanned
+# decoder puts the layer axis at ``param_scan_axis`` (1 by default), Levanter's
+# Haliax ``Stacked`` at 0 with a Linear's output axes first. Hugging Face,
+# EasyDeL and KerasHub trees are not stacked; Flax and Keras kernels (and
+# EasyDeL's, transposed from Hugging Face's) are input-first.
+_NAMED = {
+    "maxtext": (re.compile(r"(^|/)decoder/(layers|dense_layers|moe_layers)/"), 1, True),
+    "levanter": (re.compile(r"(^|/)stacked/"), 0, False),
+    "hf": (None, None, True), "hf_mixtral": (None, None, True),
+    "easydel": (None, None, True), "keras_hub": (None, None, True),
+}
+NAMED_SETS = tuple(_NAMED)
+# Biases and scales are vectors per output however many axes they have: an
+# expert bias [E, F], an attention bias [H, Dh], a per-expert scale [E].
+_VECTOR_NAME = re.compile(r"(^|_)(bias|scale)$")
+# An attention output projection: its head axes are its input.
+_OUTPUT_PROJECTION = re.compile(r"^(o|out|o_proj|out_proj|wo|output|attention_output)$")
+
+
+def _names(path: str) -> tuple[str, str]:
+  """The leaf's name and its module's, skipping indices (Haliax adds ``/0``)."""
+  parts = [p for p in path.split("/") if p and not p.isdigit()] or [""]
+  module = parts[-2] if len(parts) > 1 and parts[-1] in ("kernel", "weight", "w") else parts[-1]
+  return parts[-1], module
+
+
+def _named_entry(path: str, shape, tier: str, named) -> Optional[MatrixAxes]:
+  stacked, layer_axis, input_first = named
+  path = path.replace(".", "/")
+  ndim = len(shape)
+  layer = layer_axis if stacked is not None and stacked.search(path) and ndim > layer_axis else None
+  kept = [a for a in range(ndim) if a != layer]
+  if tier == labels_lib.EXPERT and len(kept) >= 3:
+    kept = kept[1:]  # the expert axis: each expert's matrix on its own
+  name, module = _names(path)
+  if _VECTOR_NAME.search(name) or len(kept) < 2:
+    return None
+  if len(kept) == 2:
+    return MatrixAxes(kept[0], kept[1], layer)
+  # A projection with head axes is the D x (H·Dh) matrix: the heads are the
+  # output of a query/key/value and the input of the output projection.
+  heads_first = bool(_OUTPUT_PROJECTION.match(module)) == input_first
+  if heads_first:
+    return MatrixAxes(tuple(kept[:-1]), kept[-1], layer)
+  return MatrixAxes(kept[0], tuple(kept[1:]), layer)
+
+
+def named_matrix_axes(name: str) -> Callable[[Any], Any]:
+  """The matrix axes of the trees one named pattern set (:data:`skewadam_jax.PATTERNS`) labels.
+
+  :func:`skewadam_jax.label_fn` passes them to SkewAdam with its labels,
+  so a tree labelled by a named set has its axes declared, not guessed. Per
+  leaf of the whole (stacked) tree:
+
+  * the layer axis of a scanned stack is a batch axis, declared as
+    ``MatrixAxes.layer``: axis 1 under MaxText's ``decoder/layers``,
+    ``decoder/dense_layers`` and ``decoder/moe_layers`` (its default
+    ``param_scan_axis``), axis 0 under Levanter's ``stacked``;
+  * an expert leaf's first other axis is the expert axis, a batch axis;
+  * a leaf named ``bias``, ``*_bias``, ``scale`` or ``*_scale``, and one left
+    with fewer than two axes, is a vector (no factoring, no weight decay);
+  * a projection with head axes (MaxText's ``[D, H, Dh]`` query and
+    ``[H, Dh, D]`` ``out``, Levanter's output-first ``[H, Dh, D]``
+    ``q_proj``) is the ``D x (H·Dh)`` matrix: the heads are one side (the
+    output of a projection, the input of one named ``out``, ``o_proj``,
+    ``wo``, ``output`` or ``attention_output``), the model width the other.
+
+  Args:
+    name: one of :data:`NAMED_SETS`.
+
+  Returns:
+    A callable for ``skewadam(..., matrix_axes=...)``.
+
+  Raises:
+    ValueError: for a name that declares no axes (``"default"``, whose
+      model's own training declares them from logical axes).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from skewadam_jax import named_matrix_axes
+    >>> scanned = {"params": {"decoder": {"layers": {
+    ...     "pre_self_attention_layer_norm": {"scale": jnp.ones((8, 2))},
+    ...     "self_attention": {"query": {"kernel": jnp.ones((8, 2, 4, 16))},
+    ...                        "out": {"kernel": jnp.ones((4, 2, 16, 8))}},
+    ...     "MoeBlock_0": {"wi_0": jnp.ones((4, 2, 8, 32))}}}}}
+    >>> axes = named_matrix_axes("maxtext")(scanned)["params"]["decoder"]["layers"]
+    >>> axes["pre_self_attention_layer_norm"]["scale"] is None
+    True
+    >>> axes["self_attention"]["query"]["kernel"], axes["self_attention"]["out"]["kernel"]
+    (MatrixAxes(rows=0, cols=(2, 3), layer=1), MatrixAxes(rows=(0, 2), cols=3, layer=1))
+    >>> axes["MoeBlock_0"]["wi_0"]
+    MatrixAxes(rows=2, cols=3, layer=1)
+  """
+  if name not in _NAMED:
+    raise ValueError(f"The pattern set {name!r} declares no matrix axes; the sets that "
+                     f"do are {sorted(_NAMED)}.")
+  patterns = labels_lib.PATTERNS[name]
+
+  def spec(tree):
+    paths, leaves, treedef = labels_lib.flatten_with_paths(tree)
+    return treedef.unflatten([
+        _named_entry(p, np.shape(x), labels_lib.label_path(p, **patterns), _NAMED[name])
+        for p, x in zip(paths, leaves)])
+  spec.__name__ = f"named_matrix_axes({name!r})"
+  return spec
+
+
+def for_labels(matrix_axes: AxesSpec, param_labels) -> AxesSpec:
+  """``matrix_axes``, or the named set's (:func:`named_matrix_axes`) when none is given.
+
+  A :func:`skewadam_jax.label_fn` labeller of a set in :data:`NAMED_SETS`
+  declares its trees' axes too; an explicit ``matrix_axes`` always wins.
+  """
+  if (matrix_axes is None and isinstance(param_labels, labels_lib.PatternLabeller)
+      and param_labels.name in _NAMED):
+    return named_matrix_axes(param_labels.name)
+  return matrix_axes
+
+
+def guessed_stacked_paths(tree, tiers: list[str]) -> list[str]:
+  """The leaves whose guessed axes (the last two) are likely wrong: stacked ones.
+
+  A backbone or router leaf with three or more axes, or an expert leaf with
+  four or more, stacks matrices (layers, heads) on axes the guess cannot
+  tell apart from the matrix's own.
+  """
+  paths, leaves, _ = labels_lib.flatten_with_paths(tree)
+  return [f"{p} {list(np.shape(x))}" for p, x, t in zip(paths, leaves, tiers)
+          if len(np.shape(x)) >= (4 if t == labels_lib.EXPERT else 3)]
 
 
 def resolve_matrix_axes(matrix_axes: AxesSpec, tree) -> list[Optional[MatrixAxes]]:

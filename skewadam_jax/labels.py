@@ -14,15 +14,17 @@ Pattern sets for common parameter trees (pass them as
 |---|---|---|
 | ``"default"`` (this project's model) | a path component ``experts`` | a path component ``router`` |
 | ``"hf"`` (Hugging Face checkpoints: Mixtral ``model.layers.0.block_sparse_moe.experts.3.w1.weight``, one 2-D leaf per expert; Qwen2/3-MoE, DeepSeek-V2/V3 ``mlp.experts.K.gate_proj``; GPT-OSS ``mlp.experts.gate_up_proj``); ``"hf_mixtral"`` is the same set | ``block_sparse_moe/experts``, ``mlp/experts`` | ``block_sparse_moe/gate``, ``mlp/gate``, ``mlp/router`` |
+| ``"easydel"`` (EasyDeL's Mixtral ``model/layers/0/block_sparse_moe/experts/w1/weight`` ``[E, D, F]``, Qwen3-MoE and DeepSeek-V3 ``mlp/experts/gate_proj/weight``: Hugging Face's names) | as ``"hf"`` | as ``"hf"`` |
 | ``"levanter"`` (Levanter's Equinox Mixtral / Qwen3-MoE, scanned: ``transformer/layers/stacked/block_sparse_moe/experts/w1/weight/0`` ``[L, E, D, F]``) | as ``"hf"`` | as ``"hf"`` (``gate/weight/0`` ``[L, E, D]``) |
 | ``"maxtext"`` (MaxText Mixtral ``MoeBlock_0``, Qwen3-MoE ``moe_block``, DeepSeek ``DeepSeekMoeBlock_0/MoeBlock_0``, GPT-OSS ``GptOssMlp``, Qwen3-Next ``routed_experts``) | ``wi_0``, ``wi_1``, fused ``wi``, ``wo``, their ``_bias``, ``per_expert_scale`` | ``<block>/gate`` (kernel and bias) |
 | ``"keras_hub"`` (KerasHub Mixtral ``transformer_layer_0/mixtral_sparse_moe_block/experts/expert_feedforward_gate_dense``, Qwen-MoE, Qwen3-MoE, GPT-OSS; list-shaped parameters: label their ``.path`` names with :func:`label_names`) | ``*sparse_moe_block*/experts`` | ``sparse_feedforward_gate_dense``, ``router``, ``router_gate`` |
 
 Shared experts are dense layers every token uses, so every set leaves them in
-the backbone. Labels say nothing about matrix axes: a 2-D expert bias
-``[E, F]`` or a MaxText layer axis at position 1 needs its
-``matrix_axes`` declared (:mod:`skewadam_jax.axes`); check the result with
-:func:`skewadam_jax.plan_table` before a long run.
+the backbone. A :func:`label_fn` labeller also declares its trees' matrix
+axes (:func:`skewadam_jax.named_matrix_axes`: a 2-D expert bias ``[E, F]`` is
+a vector, MaxText's layer axis at position 1 a batch axis); a user's own
+patterns declare none, and a guess on a stacked leaf warns at ``init``. Check
+the result with :func:`skewadam_jax.plan_table` before a long run.
 
 Labels must depend on the *structure* of the tree only (paths, not values),
 because optax calls label functions on the parameters in ``init`` and on the
@@ -74,6 +76,7 @@ PATTERNS = {
     "hf": _HF,
     "hf_mixtral": _HF,
     "levanter": _HF,
+    "easydel": _HF,
     "maxtext": {"router": (_MAXTEXT_BLOCK + r"gate(/|$)",),
                 "expert": (_MAXTEXT_BLOCK + r"(wi_0|wi_1|wi|wo)(_bias)?(/|$)",
                            _MAXTEXT_BLOCK + r"per_expert_scale(/|$)")},
@@ -352,10 +355,11 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
 
 def _better_sets(paths: list[str], tried: str) -> str:
   """The named pattern sets that find both experts and a router in ``paths``, for the warning."""
-  found = []
+  found, seen = [], [PATTERNS.get(tried)]
   for other, patterns in PATTERNS.items():
-    if other in (tried, "hf_mixtral"):
+    if patterns in seen:  # a set under another name (hf_mixtral, levanter, easydel)
       continue
+    seen.append(patterns)
     tiers = [label_path(p, **patterns) for p in paths]
     if EXPERT in tiers and ROUTER in tiers:
       found.append(f"label_fn({other!r}) finds {tiers.count(EXPERT)} expert and "

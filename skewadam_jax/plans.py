@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from skewadam_jax import accounting
+from skewadam_jax import axes as axes_lib
 from skewadam_jax import labels as labels_lib
 from skewadam_jax import transform
 
@@ -38,9 +39,11 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
     warnings.simplefilter("ignore", UserWarning)
     per_param = accounting.state_bytes_per_param(
         transform.scale_by_skewadam(**skewadam_kwargs), params)
-  decay = transform.decayed_leaves(mask, params, skewadam_kwargs.get("matrix_axes"))
+  matrix_axes = axes_lib.for_labels(skewadam_kwargs.get("matrix_axes"),
+                                    skewadam_kwargs.get("param_labels"))
+  decay = transform.decayed_leaves(mask, params, matrix_axes)
   # Without a declaration the axes are a guess (the last two): say so on every row.
-  guessed = " (guessed)" if skewadam_kwargs.get("matrix_axes") is None else ""
+  guessed = " (guessed)" if matrix_axes is None else ""
   rows = []
   for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
     size = max(1, math.prod(leaf.shape))

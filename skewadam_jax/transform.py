@@ -405,7 +405,10 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   }
   leaves = jax.tree.leaves(tree)
   tiers = labels_lib.resolve_labels(param_labels, tree, warn=warn)
+  matrix_axes = axes_lib.for_labels(matrix_axes, param_labels)
   declared = axes_lib.resolve_matrix_axes(matrix_axes, tree)
+  if warn and matrix_axes is None:
+    _warn_guessed_axes(tree, tiers)
   if orthogonal_mask is None:
     allowed = [True] * len(leaves)
   else:
@@ -434,6 +437,18 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
         orthogonal_chunk=config.orthogonal_chunk if ortho else None,
         orthogonal_dtype=config.orthogonal_dtype if ortho else None))
   return plans
+
+
+def _warn_guessed_axes(tree, tiers: list[str]) -> None:
+  stacked = axes_lib.guessed_stacked_paths(tree, tiers)
+  if stacked:
+    warnings.warn(
+        f"SkewAdam guessed the matrix axes of {len(stacked)} stacked leaves as their last "
+        f"two, e.g. {stacked[:3]}: a layer or head axis among them would be factored, "
+        "decayed and orthogonalised across. Declare matrix_axes (MatrixAxes(rows, cols, "
+        "layer=...), scanned_matrix_axes(...)) or label with a label_fn set that declares "
+        f"its axes ({', '.join(axes_lib.NAMED_SETS)}); skewadam_jax.plan_table(params) "
+        "shows every leaf's axes.", stacklevel=5)
 
 
 def _placeholder() -> jax.Array:
@@ -1321,6 +1336,7 @@ def skewadam(
     if not (isinstance(mask, str) and mask == MATRICES):
       raise ValueError("Give the weight-decay mask as mask= or as weight_decay_mask=, not both.")
     mask = weight_decay_mask
+  matrix_axes = axes_lib.for_labels(matrix_axes, param_labels)
   if (isinstance(mask, str) and mask == MATRICES) or callable(weight_decay):
     # A scheduled rate with any mask counts its own steps here: optax 0.2.6's
     # add_decayed_weights never advances its schedule.

@@ -214,6 +214,30 @@ REAL_TREES = {
         ("model.layers.0.block_sparse_moe.experts.0.w1.weight", (16, 8)),
         ("model.layers.0.block_sparse_moe.experts.1.w2.weight", (8, 16)),
     ], 2, 1),
+    # EasyDeL's modules keep Hugging Face's names, kernels stored [in, out]
+    # and expert banks stacked [E, in, out].
+    "easydel mixtral": ("easydel", [
+        ("model/layers/0/self_attn/q_proj/weight", (8, 8)),
+        ("model/layers/0/block_sparse_moe/gate/weight", (8, 4)),
+        ("model/layers/0/block_sparse_moe/experts/w1/weight", (4, 8, 16)),
+        ("model/layers/0/block_sparse_moe/experts/w2/weight", (4, 16, 8)),
+        ("model/layers/0/block_sparse_moe/experts/w3/weight", (4, 8, 16)),
+        ("model/layers/0/input_layernorm/weight", (8,)),
+    ], 3, 1),
+    "easydel qwen3_moe": ("easydel", [
+        ("model/layers/0/mlp/gate/weight", (8, 4)),
+        ("model/layers/0/mlp/experts/gate_proj/weight", (4, 8, 16)),
+        ("model/layers/0/mlp/experts/down_proj/weight", (4, 16, 8)),
+        ("model/layers/0/self_attn/q_norm/weight", (4,)),
+    ], 2, 1),
+    "easydel deepseek_v3": ("easydel", [
+        ("model/layers/0/mlp/gate_proj/weight", (8, 16)),
+        ("model/layers/3/mlp/gate/weight", (8, 4)),
+        ("model/layers/3/mlp/gate/e_score_correction_bias", (4,)),
+        ("model/layers/3/mlp/experts/up_proj/weight", (4, 8, 16)),
+        ("model/layers/3/mlp/shared_experts/up_proj/weight", (8, 16)),
+        ("model/layers/3/self_attn/q_a_proj/weight", (8, 6)),
+    ], 1, 2),
     "hf qwen2_moe": ("hf", [
         ("model.layers.0.mlp.gate.weight", (4, 8)),
         ("model.layers.0.mlp.experts.0.gate_proj.weight", (16, 8)),
