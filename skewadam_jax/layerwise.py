@@ -61,6 +61,12 @@ clipping, ``apply_if_finite``); the step provides those two itself:
   updated before a later layer's gradient is seen.
 * ``clip_mode="none"`` (or ``clip_norm=None``): one pass, no clipping.
 
+With ``contain_nonfinite`` (the default, as :func:`skewadam_jax.skewadam`'s)
+the norm is that of the gradients with each NaN, Inf or overflowing entry
+counted as zero, so one bad entry neither turns every layer's clip factor
+into NaN (for good, in ``"stale"`` mode, which clips by the stored norm) nor
+scales every other leaf to nothing.
+
 **Gradient accumulation** is refused (``optax.MultiSteps`` raises at
 :meth:`~LayerwiseStep.init`): summing gradients over micro-batches keeps a
 gradient of every parameter alive between backward passes, which is exactly
@@ -108,6 +114,7 @@ from skewadam_jax import axes as axes_lib
 from skewadam_jax import labels as labels_lib
 from skewadam_jax import rounding
 from skewadam_jax import sharding as sharding_lib
+from skewadam_jax import transform
 
 CLIP_MODES = ("exact", "stale", "none")
 
@@ -387,8 +394,8 @@ def _cotangent_slice(tree, layer):
 def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Callable,
                    head: Callable, *, stack: StackSpec, layer_axis: LayerAxis = 0,
                    clip_norm: float | None = None, clip_mode: str = "exact",
-                   skip_nonfinite: int = 0, stochastic_rounding: bool = False,
-                   check: bool = True) -> LayerwiseStep:
+                   skip_nonfinite: int = 0, contain_nonfinite: bool = True,
+                   stochastic_rounding: bool = False, check: bool = True) -> LayerwiseStep:
   """A train step that updates each layer of a scanned stack inside the backward pass.
 
   See the module docstring for the functions, the algorithm and the clip modes.
@@ -411,6 +418,10 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
     clip_mode: ``"exact"``, ``"stale"`` or ``"none"``.
     skip_nonfinite: as ``optax.apply_if_finite(max_consecutive_errors=...)``:
       skip steps with a non-finite gradient (``0``: off); needs ``"exact"``.
+    contain_nonfinite: the global norm counts each non-finite (or
+      overflowing) gradient entry as zero; the entry itself reaches ``tx``,
+      whose own containment (SkewAdam's default) treats it as zero too.
+      ``False``: the norm of the raw gradients, as ``optax.global_norm``.
     stochastic_rounding: apply updates with
       :func:`skewadam_jax.apply_updates_stochastic` (``step`` then needs
       ``key``; layer ``l`` draws from ``fold_in(key, l)``, the outer
@@ -436,6 +447,9 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
   if clip_norm < 0:
     raise ValueError(f"clip_norm must be positive, got {clip_norm}")
   norm_first = skip_nonfinite > 0 or (clip_norm > 0 and clip_mode == "exact")
+
+  def sum_squares(grads):
+    return _sum_squares(transform.contained(grads) if contain_nonfinite else grads)
 
   def find(params) -> _Stack:
     return _find_stack(params, stack, layer_axis)
@@ -549,13 +563,13 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
       def measure(carry, layer):
         g_y, sumsq, finite = carry
         g_p, g_x = layer_grads(where.index(stacked, layer), layer, g_y)
-        return (g_x, sumsq + _sum_squares(g_p), finite & _all_finite(g_p)), None
+        return (g_x, sumsq + sum_squares(g_p), finite & _all_finite(g_p)), None
 
       (g_x0, sumsq, finite), _ = jax.lax.scan(
           measure, (g_xL, jnp.zeros((), jnp.float32), jnp.array(True)),
           jnp.arange(num_layers), reverse=True)
       g_outer = outer_grads(g_x0)
-      grad_norm = jnp.sqrt(sumsq + _sum_squares(g_outer))
+      grad_norm = jnp.sqrt(sumsq + sum_squares(g_outer))
       finite = finite & _all_finite(g_outer)
       clip_by = grad_norm
     else:
@@ -591,7 +605,7 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
       new_slice = keep_unless(apply(layer_slice, updates, layer_key), layer_slice)
       new_state = keep_unless(new_state, layer_state)
       return (g_x, where.write(params_stack, new_slice, layer),
-              write_state(states, new_state, layer), sumsq + _sum_squares(g_p)), None
+              write_state(states, new_state, layer), sumsq + sum_squares(g_p)), None
 
     (g_x0, stacked, layer_states, layer_sumsq), _ = jax.lax.scan(
         update, (g_xL, stacked, state.layers, jnp.zeros((), jnp.float32)),
@@ -600,7 +614,7 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
     # 4. The parameters outside the stack.
     g_outer = outer_grads(g_x0)
     if not norm_first:
-      grad_norm = jnp.sqrt(layer_sumsq + _sum_squares(g_outer))
+      grad_norm = jnp.sqrt(layer_sumsq + sum_squares(g_outer))
     updates, outer_state = tx.update(clip(g_outer, clip_by), state.outer, outer)
     outer_key = None if key is None else jax.random.fold_in(key, num_layers)
     new_outer = keep_unless(apply(outer, updates, outer_key), outer)

@@ -503,13 +503,20 @@ def _groupable(plan: LeafPlan, leaf) -> bool:
           and _explicit.explicit_spec(leaf) is None)
 
 
-def _finite_entries(g32):
+def finite_entries(g32):
   """``g32`` with each entry that is not finite, or whose square could overflow a sum
   over the leaf, replaced by 0: one bad entry must not poison a whole matrix's
   factored statistics (or its momentum) for good. Finite, ordinary entries are
   passed through bit for bit."""
   limit = math.sqrt(float(jnp.finfo(jnp.float32).max) / max(1, math.prod(g32.shape)))
   return jnp.where(jnp.abs(g32) <= limit, g32, jnp.zeros((), g32.dtype))
+
+
+def contained(grads):
+  """Every leaf of ``grads`` in (at least) float32 through :func:`finite_entries`:
+  the gradients a global norm that one bad entry must not poison is taken of."""
+  return jax.tree.map(
+      lambda g: finite_entries(g.astype(jnp.promote_types(g.dtype, jnp.float32))), grads)
 
 
 # Adafactor's d: what clip_threshold="auto" applies where a leaf's form has no
@@ -579,12 +586,11 @@ def _global_norm_clip(updates, max_norm, contain_nonfinite=False):
   equals the chained transform's leaf bit for bit; it is returned instead of
   applied so that a layer loop can clip one slice at a time. With
   ``contain_nonfinite`` the norm is that of the contained gradients
-  (:func:`_finite_entries`): one NaN must not turn every leaf's clip factor
+  (:func:`finite_entries`): one NaN must not turn every leaf's clip factor
   into NaN, nor one 1e19 scale every other leaf to nothing.
   """
   if contain_nonfinite:
-    updates = jax.tree.map(
-        lambda g: _finite_entries(g.astype(jnp.promote_types(g.dtype, jnp.float32))), updates)
+    updates = contained(updates)
   norm = optax.tree.norm(updates)
   trigger = jnp.squeeze(norm < max_norm)
   return lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
@@ -608,7 +614,7 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   (b1, c1), (b2, c2) = b1, b2
   g32 = g.astype(jnp.complex64 if jnp.iscomplexobj(g) else jnp.float32)
   if contain_nonfinite:
-    g32 = _finite_entries(g32)
+    g32 = finite_entries(g32)
   encoding = plan.encoding
   sign = isinstance(encoding, encodings.SignEncoding)
   m = None if encoding is None else c1 * g32 + b1 * encoding.decode(parts, plan.axes)
@@ -691,7 +697,7 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
       g_s = clip(g_s)
     g32 = g_s.astype(jnp.float32)
     if contain_nonfinite:
-      g32 = _finite_entries(g32)
+      g32 = finite_entries(g32)
     new = {}
     if plan.encoding is None:
       nesterov = g32

@@ -120,6 +120,29 @@ def test_stale_mode_clips_by_the_previous_steps_norm():
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), p, ref)
 
 
+def test_one_nan_layer_leaves_the_stale_norm_finite_and_the_other_layers_training():
+  # Layer 1's gradient all NaN at the second step, against the same run with it 0.
+  def train(contain, bad):
+    engine = _engine(skewadam_jax.skewadam(1e-2), clip_norm=0.05, clip_mode="stale",
+                     contain_nonfinite=contain)
+    step = jax.jit(engine.step)
+    params, ones = example.init_params(), jnp.ones(example.LAYERS)
+    state, norms = engine.init(params), []
+    for scale in (ones, ones.at[1].set(bad), ones):
+      params, state, metrics = step(params, state, BATCH, grad_scale=scale)
+      norms.append(float(metrics["grad_norm"]))
+    return params, norms
+
+  params, norms = train(True, jnp.nan)
+  zeroed, zeroed_norms = train(True, 0.0)
+  np.testing.assert_allclose(norms, zeroed_norms, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params, zeroed)
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+  # The raw norm is NaN, and the stale clip carries it into every later step.
+  _, raw_norms = train(False, jnp.nan)
+  assert np.isnan(raw_norms[1])
+
+
 def test_integer_block_outputs_get_no_gradient_and_pass_through():
   def block(params, x, batch, layer):
     y, load = example.block(params, x, batch, layer)

@@ -111,7 +111,7 @@ def test_ordinary_gradients_pass_the_bad_entry_filter_bit_for_bit():
   limit = math.sqrt(float(jnp.finfo(jnp.float32).max) / math.prod(SHAPE))
   edge = grads[0].at[0, 0, 0].set(limit * 0.999)
   for g in grads + [edge]:
-    np.testing.assert_array_equal(transform._finite_entries(g), g)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(transform.finite_entries(g), g)
   got, _ = _updates(sa.TierConfig("fp32", "exact"), grads, contain_nonfinite=True)
   adam = optax.scale_by_adam(b1=B1, b2=B2)
   state = adam.init(grads[0])
