@@ -8,10 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-for runs in experiments/results/safe-defaults-400-runs experiments/results/safe-defaults-1600-runs; do
-  mkdir -p "$runs"  # keep only what --reuse-runs reads back
-  cp experiments/results/compare-400-runs/.gitignore "$runs/.gitignore"
-done
+source experiments/runs_folder.sh
+runs_folder experiments/results/safe-defaults-400-runs experiments/results/safe-defaults-1600-runs
 ROW=(--optimizers skewadam --skewadam-configs "" --lr 0.0135 --reuse-runs --no-progress)
 if [ -n "${SEEDS_400-0,1,2}" ]; then
   "$PYTHON" -m experiments.compare --steps 400 --seeds "${SEEDS_400-0,1,2}" "${ROW[@]}" \
