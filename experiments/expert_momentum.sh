@@ -13,8 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 RUNS=experiments/results/expert-momentum-runs
-mkdir -p "$RUNS"
-cp experiments/results/compare-400-runs/.gitignore "$RUNS/.gitignore"
+source experiments/runs_folder.sh
+runs_folder "$RUNS"
 # The comparison's base configuration (experiments/studies/sweeps.py: base_config,
 # and its 10 % warmup), so that only the expert momentum differs from the baseline.
 BASE=(--preset small --optimizer skewadam --steps 1600 --lr 0.0135 --seed 0 --batch-size 16
