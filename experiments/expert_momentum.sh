@@ -7,6 +7,7 @@
 #               parameter that rank 16 costs at moe-6.78b's 1024 x 1400
 #   lowrank-16  the library's default rank (1.064 GB of state at moe-6.78b)
 #   none        no expert momentum (the attribution's 59.39 row, re-run here)
+#   lowrank-16-seed1, lowrank-16-seed2   the best row's seeds 1 and 2
 # ROWS picks some ("lowrank-2 none"); each is about 45 min on 2 CPU cores beside
 # another. A finished row is not trained again.
 set -euo pipefail
@@ -24,6 +25,9 @@ declare -A FLAGS=(
   [lowrank-2]="--expert-momentum lowrank --expert-lowrank-rank 2"
   [lowrank-16]="--expert-momentum lowrank --expert-lowrank-rank 16"
   [none]="--expert-momentum none"
+  # the best row's other seeds (its seed 0 is lowrank-16)
+  [lowrank-16-seed1]="--expert-momentum lowrank --expert-lowrank-rank 16 --seed 1"
+  [lowrank-16-seed2]="--expert-momentum lowrank --expert-lowrank-rank 16 --seed 2"
 )
 for row in ${ROWS:-lowrank-2 lowrank-16 none}; do
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
