@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# #42's second tuned hyperparameter, the same for every contender: the warmup at
+# the long horizon. Each contender's 1600-step row (rate swept at 1600 steps,
+# experiments/results/compare-long.json; the default SkewAdam row on 0.3.0's
+# defaults, experiments/results/safe-defaults-1600.json) re-run at seed 0 with
+# only the warmup changed from the comparison's 10 % (160 steps), one coordinate
+# of a coordinate descent (rate, then warmup). ROWS picks some ("muon-60");
+# each is about 30 min alone on 2 CPU cores, 45 min beside another. A finished
+# row is not trained again; the table is rewritten from whatever has finished.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+RUNS=experiments/results/tune-warmup-runs
+source experiments/runs_folder.sh
+runs_folder "$RUNS"
+BASE=(--preset small --steps 1600 --seed 0 --batch-size 16 --eval-every 100 --eval-batches 16
+      --log-every 1 --sample-tokens 0 --ckpt-every 1000000000 --no-progress)
+declare -A FLAGS=(  # each contender at its 1600-step rate
+  [skewadam]="--optimizer skewadam --lr 0.0135"
+  [muon]="--optimizer muon --lr 0.015"
+  [adamw]="--optimizer adamw --lr 0.0045"
+)
+declare -A BASELINE=(  # each contender's seed-0 run with the 160-step warmup
+  [skewadam]=experiments/results/safe-defaults-1600-runs/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-stochastic-auto-on-seed0
+  [muon]=experiments/results/compare-long-runs/muon-sweep-lr1.50e-02
+  [adamw]=experiments/results/compare-long-runs/adamw-sweep-lr4.50e-03
+)
+for row in ${ROWS:-skewadam-60 muon-60 adamw-60}; do
+  contender=${row%-*} warmup=${row##*-}
+  if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
+    continue
+  fi
+  # shellcheck disable=SC2086
+  "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$contender]} --warmup-steps "$warmup" \
+      --out "$RUNS/$row"
+done
+# rewrites the committed experiments/results/tune-warmup.md: one table a contender
+{
+  for contender in skewadam muon adamw; do
+    finished=$(ls -d "$RUNS/$contender"-*/ 2>/dev/null | paste -sd, -)
+    [ -n "$finished" ] || continue
+    echo "### $contender"
+    echo
+    "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "${BASELINE[$contender]}"
+    echo
+  done
+} > experiments/results/tune-warmup.md
