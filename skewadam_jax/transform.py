@@ -407,7 +407,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   tiers = labels_lib.resolve_labels(param_labels, tree, warn=warn)
   matrix_axes = axes_lib.for_labels(matrix_axes, param_labels)
   declared = axes_lib.resolve_matrix_axes(matrix_axes, tree)
-  if warn and matrix_axes is None:
+  if warn and matrix_axes is None and labels_lib.EXPERT in tiers:
+    # (a tree without experts has had the labels' warning, which comes first)
     _warn_guessed_axes(tree, tiers)
   if orthogonal_mask is None:
     allowed = [True] * len(leaves)
@@ -519,6 +520,12 @@ def contained(grads):
       lambda g: finite_entries(g.astype(jnp.promote_types(g.dtype, jnp.float32))), grads)
 
 
+# A leaf (or group) at least this large is stepped after the previous large one has
+# finished (an optimisation barrier between them): a bound on the update's working
+# set. A clipped leaf this large computes its update twice rather than store it.
+LARGE_LEAF_ELEMENTS = orthogonal.AUTO_CHUNK_ELEMENTS
+
+
 # Adafactor's d: what clip_threshold="auto" applies where a leaf's form has no
 # bound of its own. Adam's first step has RMS(u) = 1 exactly (u = sign(g)).
 AUTO_CLIP_THRESHOLD = 1.0
@@ -546,12 +553,16 @@ def _leaf_clip_threshold(plan: LeafPlan, clip_threshold):
   return clip_threshold
 
 
-def _clip_rms(update, plan: LeafPlan, threshold):
-  """Adafactor's update clipping over the matrix axes: ``u / max(1, RMS(u)/d)``."""
+def _clip_rms(update, plan: LeafPlan, threshold, rms_of=None):
+  """Adafactor's update clipping over the matrix axes: ``u / max(1, RMS(u)/d)``.
+
+  ``rms_of``: the same update computed again, to take the RMS of (``update``
+  when ``None``)."""
   if threshold is None or plan.axes is None:
     return update
   matrix = plan.axes.row_axes + plan.axes.col_axes
-  rms = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(update)), axis=matrix, keepdims=True))
+  rms_of = update if rms_of is None else rms_of
+  rms = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(rms_of)), axis=matrix, keepdims=True))
   return update / jnp.maximum(1.0, rms / threshold)
 
 
@@ -596,19 +607,38 @@ def _global_norm_clip(updates, max_norm, contain_nonfinite=False):
   return lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
 
 
-def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
-               factored_eps, count, nesterov=False, clip_threshold=None,
-               contain_nonfinite=False, clip=None):
+def _step_leaf(plan: LeafPlan, g, parts: dict, *, clip_threshold=None, **step):
+  """One leaf's step; returns (update in ``g``'s dtype, new parts).
+
+  ``step``: :func:`_adam_step`'s other arguments. Where the leaf's update is
+  clipped (:func:`_leaf_clip_threshold`), its RMS is taken of a second
+  computation of the update from the same inputs, behind an optimisation
+  barrier: each pass then reads the gradient and the state again, where one
+  computation would store the whole float32 update between the RMS and the
+  division (on ``moe-6.78b``'s XLA:GPU update: 36.5 against 18.4 bytes moved
+  a parameter).
+  """
+  if plan.orthogonal:
+    return _orthogonal_step(plan, g, parts, b1=step["b1"], count=step["count"],
+                            contain_nonfinite=step["contain_nonfinite"], clip=step["clip"])
+  update, new = _adam_step(plan, g, parts, **step)
+  threshold = _leaf_clip_threshold(plan, clip_threshold)
+  probe = None
+  if threshold is not None and math.prod(g.shape) >= LARGE_LEAF_ELEMENTS:
+    probe, _ = _adam_step(plan, *jax.lax.optimization_barrier((g, parts)), **step)
+  update = _clip_rms(update, plan, threshold, rms_of=probe)
+  return update.astype(g.dtype), new
+
+
+def _adam_step(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
+               factored_eps, count, nesterov=False, contain_nonfinite=False, clip=None):
   """One leaf's Adam step in float32 (complex64); returns (update, new parts).
 
   ``b1`` and ``b2`` are :func:`_decay` pairs. A float64 ``nu_dtype`` (under
   ``jax_enable_x64``) computes the second moment and the division in float64.
   ``clip`` (from :func:`_global_norm_clip`, or ``None``) is applied to the
-  gradient first.
+  gradient first. The update is not clipped nor cast (:func:`_step_leaf`).
   """
-  if plan.orthogonal:
-    return _orthogonal_step(plan, g, parts, b1=b1, count=count,
-                            contain_nonfinite=contain_nonfinite, clip=clip)
   if clip is not None:
     g = clip(g)
   (b1, c1), (b2, c2) = b1, b2
@@ -660,8 +690,7 @@ def _step_leaf(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
     # this step (LazyAdam's rule, for this encoding only); its momentum is
     # still carried, so a sporadic zero pauses an entry rather than resets it.
     update = jnp.where(g32 == 0, jnp.zeros((), update.dtype), update)
-  update = _clip_rms(update, plan, _leaf_clip_threshold(plan, clip_threshold))
-  return update.astype(g.dtype), new
+  return update, new
 
 
 def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
@@ -1107,8 +1136,22 @@ def scale_by_skewadam(
         contain_nonfinite=contain_nonfinite, clip=clip)
     stepped = {}
     grouped = (jax.default_backend() != "cpu") if group_leaves == "auto" else group_leaves
+    previous = None  # the outputs of the last large step
     for indices in leaf_groups(plans, grads, GROUP_MAX_ELEMENTS if grouped else None):
-      stepped.update(_step_group(indices, grads, plans, parts, step))
+      large = sum(math.prod(grads[i].shape) for i in indices) >= LARGE_LEAF_ELEMENTS
+      if large and previous is not None:
+        # One large step at a time: its inputs wait for the previous one's
+        # outputs, so the program's temporaries are one bank's, not several
+        # banks' at once (XLA:GPU otherwise overlaps them as its scheduler
+        # sees fit: 17.9 GB against 4.4 GB for moe-6.78b's update).
+        (inputs, _) = jax.lax.optimization_barrier(
+            ([(grads[i], parts[i]) for i in indices], previous))
+        for i, (g_i, parts_i) in zip(indices, inputs):
+          grads[i], parts[i] = g_i, parts_i
+      result = _step_group(indices, grads, plans, parts, step)
+      if large:
+        previous = [result[i] for i in indices]
+      stepped.update(result)
     out = [stepped[i][0] for i in range(len(grads))]
     new_parts = [{name: stepped[i][1].get(name, parts[i][name]) for name in FIELDS}
                  for i in range(len(grads))]
