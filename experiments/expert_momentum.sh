@@ -40,3 +40,19 @@ done
 "$PYTHON" -m experiments.compare --runs-table "$(ls -d $RUNS/*/ | paste -sd, -)" \
     --baseline experiments/results/safe-defaults-1600-runs/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-stochastic-auto-on-seed0 \
     > experiments/results/expert-momentum.md
+# The best row over its seeds, beside Muon's and the default's rows of the long comparison.
+"$PYTHON" - >> experiments/results/expert-momentum.md <<'PY'
+import json, pathlib, statistics
+runs = pathlib.Path("experiments/results/expert-momentum-runs")
+ppl = [json.loads((runs / d / "summary.json").read_text())["val_ppl"]
+       for d in ("lowrank-16", "lowrank-16-seed1", "lowrank-16-seed2")
+       if (runs / d / "summary.json").exists()]
+rows = {r["optimizer"] if r["config"] == "default" else r["config"].get("backbone_dir", "adam"): r
+        for r in json.loads(pathlib.Path("experiments/results/compare-long.json").read_text())}
+print(f"\n`lowrank-16` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f}"
+      + (f" ± {statistics.stdev(ppl):.2f}" if len(ppl) > 1 else "")
+      + f" (by seed: {', '.join(f'{p:.2f}' for p in ppl)}); in `compare-long.json`, Muon "
+      f"{rows['muon']['val_ppl_mean']:.2f} ± {rows['muon']['val_ppl_std']:.2f}, the default "
+      f"(orthogonal tiers, before 0.3.0's safe defaults) {rows['orthogonal']['val_ppl_mean']:.2f}"
+      f" ± {rows['orthogonal']['val_ppl_std']:.2f}.")
+PY
