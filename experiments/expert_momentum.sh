@@ -8,7 +8,7 @@
 #   lowrank-16  the library's default rank (1.064 GB of state at moe-6.78b)
 #   none        no expert momentum (the attribution's 59.39 row, re-run here)
 #   lowrank-16-seed1, lowrank-16-seed2   the best row's seeds 1 and 2
-# ROWS picks some ("lowrank-2 none"); each is about 45 min on 2 CPU cores beside
+# ROWS picks some ("lowrank-2 none"; empty: none, only the table); each is about 45 min on 2 CPU cores beside
 # another. A finished row is not trained again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ declare -A FLAGS=(
   [lowrank-16-seed1]="--expert-momentum lowrank --expert-lowrank-rank 16 --seed 1"
   [lowrank-16-seed2]="--expert-momentum lowrank --expert-lowrank-rank 16 --seed 2"
 )
-for row in ${ROWS:-lowrank-2 lowrank-16 none}; do
+for row in ${ROWS-lowrank-2 lowrank-16 none}; do
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
     continue
   fi

@@ -4,7 +4,7 @@
 # experiments/results/compare-long.json; the default SkewAdam row on 0.3.0's
 # defaults, experiments/results/safe-defaults-1600.json) re-run at seed 0 with
 # only the warmup changed from the comparison's 10 % (160 steps), one coordinate
-# of a coordinate descent (rate, then warmup). ROWS picks some ("muon-60");
+# of a coordinate descent (rate, then warmup). ROWS picks some ("muon-60"; empty: none);
 # each is about 30 min alone on 2 CPU cores, 45 min beside another. A finished
 # row is not trained again; the table is rewritten from whatever has finished.
 set -euo pipefail
@@ -25,7 +25,7 @@ declare -A BASELINE=(  # each contender's seed-0 run with the 160-step warmup
   [muon]=experiments/results/compare-long-runs/muon-sweep-lr1.50e-02
   [adamw]=experiments/results/compare-long-runs/adamw-sweep-lr4.50e-03
 )
-for row in ${ROWS:-skewadam-60 muon-60 adamw-60}; do
+for row in ${ROWS-skewadam-60 muon-60 adamw-60}; do
   contender=${row%-*} warmup=${row##*-}
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
     continue

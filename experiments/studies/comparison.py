@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from experiments.training import optimizers
 from experiments.planning import accounting
+from experiments.training import config as config_lib
 from experiments.training.config import TrainConfig, with_defaults
 from experiments.studies.sweeps import default_config, entry_key
 from experiments.studies.sweeps import resolve_entry, row_key, run_name, run_or_reuse, train_overrides
@@ -647,10 +648,13 @@ def runs_table(run_dirs: Sequence[str | os.PathLike], baseline: str | os.PathLik
            "| run | changes | val ppl | Δ | state, moe-6.78b |", "|---|---|---|---|---|"]
   for path in run_dirs:
     summary = read(path)
-    # None is a setting left to its default (or one this run's optimizer does not read).
+    # None is a setting left to its default; SkewAdam's tier settings are not
+    # read by another optimizer (a flag's default and compare's saved value differ).
+    unread = (set(config_lib.TIER_FIELDS) if summary["config"].get("optimizer") != "skewadam"
+              else set())
     changed = [f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                for key, value in summary["config"].items()
-               if key not in _LOGISTICS and value is not None
+               if key not in _LOGISTICS | unread and value is not None
                and not _same(base["config"].get(key), value)]
     lines.append(f"| `{pathlib.Path(path).name}` | {', '.join(changed) or 'none'} "
                  f"| {summary['val_ppl']:.2f} | {summary['val_ppl'] - base['val_ppl']:+.2f} "
