@@ -18,9 +18,7 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 # The comparison's base configuration (experiments/studies/sweeps.py: base_config,
 # and its 10 % warmup), so that only the expert momentum differs from the baseline.
-BASE=(--preset small --optimizer skewadam --steps 1600 --lr 0.0135 --seed 0 --batch-size 16
-      --warmup-steps 160 --eval-every 100 --eval-batches 16 --log-every 1 --sample-tokens 0
-      --ckpt-every 1000000000)
+BASE=("${LONG_RUN[@]}" --optimizer skewadam --lr 0.0135 --seed 0 --warmup-steps 160)
 declare -A FLAGS=(
   [lowrank-2]="--expert-momentum lowrank --expert-lowrank-rank 2"
   [lowrank-16]="--expert-momentum lowrank --expert-lowrank-rank 16"

@@ -13,8 +13,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RUNS=experiments/results/tune-warmup-runs
 source experiments/runs_folder.sh
 runs_folder "$RUNS"
-BASE=(--preset small --steps 1600 --seed 0 --batch-size 16 --eval-every 100 --eval-batches 16
-      --log-every 1 --sample-tokens 0 --ckpt-every 1000000000 --no-progress)
+BASE=("${LONG_RUN[@]}" --seed 0 --no-progress)
 declare -A FLAGS=(  # each contender at its 1600-step rate
   [skewadam]="--optimizer skewadam --lr 0.0135"
   [muon]="--optimizer muon --lr 0.015"
