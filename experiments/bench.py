@@ -166,6 +166,23 @@ def hand_written_update(learning_rate: float = 1e-3, *, b1: float = 0.9, b2: flo
   return optax.GradientTransformation(init, update)
 
 
+def outputs_only_update(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx``'s inputs and outputs with no math: each array written by one elementwise kernel.
+
+  The update is the gradients doubled and the state each array plus one (a
+  bool negated): what a program with ``tx``'s state, leaf for leaf, costs to
+  compile before any of its math, for :func:`compile_times`.
+  """
+  def bump(x):
+    return ~x if x.dtype == jnp.bool_ else x + jnp.ones((), x.dtype)
+
+  def update(grads, state, params=None):
+    del params
+    return jax.tree.map(lambda g: 2 * g, grads), jax.tree.map(bump, state)
+
+  return optax.GradientTransformation(tx.init, update)
+
+
 def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   """Trace + lower and compile seconds of the jitted update, SkewAdam against optax.adamw.
 
@@ -174,7 +191,8 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   expert tier), the same with ``group_leaves=True`` (its leaves stacked by
   plan; the default groups them unless JAX's default backend is the CPU, so
   on this machine the first row is ungrouped whatever the target), and
-  :func:`hand_written_update` (its expert math without the library). Nothing is allocated or run. ``target``: a planner target
+  :func:`hand_written_update` (its expert math without the library) and
+  :func:`outputs_only_update` (its state's arrays written with no math). Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -189,7 +207,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
          # (the default groups them unless JAX's default backend is the CPU).
          "skewadam, leaves grouped": lambda: skewadam_jax.skewadam(
              1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True),
-         "the same math by hand": hand_written_update}
+         "the same math by hand": hand_written_update,
+         # SkewAdam's state written with no math: the outputs' own cost.
+         "skewadam's outputs, no math": lambda: outputs_only_update(skewadam_jax.skewadam(
+             1e-3, param_labels=skewadam_jax.label_fn("hf")))}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
   hlo_lines = {}
   for _ in range(rounds):
@@ -332,6 +353,61 @@ def bench_updates(params, *, repeats: int, rounds: int = 3) -> dict:
   return {"copy_gbps": copy_gbps, "num_params": n, "rounds": rounds, "rows": rows}
 
 
+# Leaf sizes at which grouping's run-time cost is measured: (layers, d_model,
+# d_ff) of per_expert_tree, from compile_times' tree (8192-entry leaves) to
+# leaves of 512K entries, the layer count shrinking as the leaves grow.
+GROUPING_SIZES = ((20, 64, 128), (20, 128, 128), (8, 128, 512), (4, 512, 1024))
+
+
+def grouping_step_times(*, repeats: int = 5, rounds: int = 3,
+                        sizes=GROUPING_SIZES) -> dict:
+  """The update's time with its leaves grouped against each alone, by leaf size.
+
+  ``skewadam()`` with the ``"hf"`` labels on :func:`per_expert_tree` of each
+  ``(layers, d_model, d_ff)`` of ``sizes``, ``group_leaves=True`` against
+  ``False`` on this machine's default backend, compiled once each, parameters
+  and state donated, timed as :func:`bench_updates` times (median of
+  ``repeats`` calls, alternating over ``rounds``). Returns
+  ``{"rounds", "rows": [{"leaf_entries", "leaves", "alone_ms", "grouped_ms",
+  "grouped_over_alone"}]}``: what the stacking's copies cost or save at run time.
+  """
+  rows = []
+  for layers, d_model, d_ff in sizes:
+    params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), per_expert_tree(
+        layers=layers, d_model=d_model, d_ff=d_ff, vocab=4 * d_model))
+    grads = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
+    runs = {}
+    for grouped in (False, True):
+      tx = skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf"),
+                                 group_leaves=grouped)
+      compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
+          params, tx.init(params), grads).compile()
+      runs[grouped] = {"step": compiled, "seconds": [],
+                       "args": (jax.tree.map(jnp.copy, params), tx.init(params))}
+    for _ in range(rounds):
+      for run in runs.values():
+        step = lambda p, s, step=run["step"]: step(p, s, grads)
+        run["seconds"].append(_median_seconds(step, *run["args"], repeats=repeats,
+                                              carry=run))
+    alone, grouped = (statistics.median(runs[g]["seconds"]) for g in (False, True))
+    rows.append({"leaf_entries": d_model * d_ff, "leaves": len(jax.tree.leaves(params)),
+                 "alone_ms": 1e3 * alone, "grouped_ms": 1e3 * grouped,
+                 "grouped_over_alone": grouped / alone})
+  return {"rounds": rounds, "rows": rows}
+
+
+def grouping_markdown(result: dict) -> str:
+  """The table of a :func:`grouping_step_times` result, with its machine and date."""
+  return "\n".join(
+      [f"`skewadam()`'s update with its leaves grouped against each alone "
+       f"({result.get('backend', 'cpu')}; medians of {result['rounds']} alternating rounds; "
+       f"{result.get('machine', 'machine not recorded')}, {result.get('date', 'no date')}):",
+       "", "| expert leaf entries | leaves | alone (ms) | grouped (ms) | grouped ÷ alone |",
+       "|---|---|---|---|---|"]
+      + [f"| {r['leaf_entries']:,} | {r['leaves']} | {r['alone_ms']:.1f} | "
+         f"{r['grouped_ms']:.1f} | {r['grouped_over_alone']:.2f} |" for r in result["rows"]])
+
+
 # The train steps compared: name → TrainConfig overrides.
 TRAIN_STEPS = {
     # The library's skewadam() (Adam's direction), spelt out: the training
@@ -456,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--target", default="cpu",
                       help="with --compile-time: the compiler to time, a memory-planner target "
                            "(a100-40gb: XLA:GPU without a GPU) or cpu (default)")
+  parser.add_argument("--grouping-cost", action="store_true",
+                      help="only time the update with its leaves grouped against each alone, "
+                           "at several leaf sizes (grouping_step_times), on this machine")
   parser.add_argument("--render", metavar="BENCH_JSON",
                       help="only print the tables of a saved --json result, of the update "
                            "benchmark or of --compile-time (nothing is run)")
@@ -472,6 +551,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved = json.loads(pathlib.Path(args.render).read_text())
     if "leaves" in saved:  # a --compile-time result
       print(compile_markdown(saved))
+      return 0
+    if "rows" in saved and saved["rows"] and "grouped_over_alone" in saved["rows"][0]:
+      print(grouping_markdown(saved))  # a --grouping-cost result
       return 0
     print(markdown(saved, saved.get("train_step"))
           + f"\n\nallocator: {saved.get('malloc', 'not recorded')}")
@@ -493,6 +575,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {**compile_times(per_expert_tree(), rounds=args.rounds, target=args.target),
               "machine": machine_text(), "date": datetime.date.today().isoformat()}
     print(json.dumps(result, indent=2) if args.json else compile_markdown(result))
+    return 0
+  if args.grouping_cost:
+    result = {**grouping_step_times(repeats=args.repeats, rounds=args.rounds),
+              "backend": jax.default_backend(), "machine": machine_text(),
+              "date": datetime.date.today().isoformat()}
+    print(json.dumps(result, indent=2) if args.json else grouping_markdown(result))
     return 0
   sizes = ("repeats", "rounds", "layers", "experts", "d_model", "d_ff", "vocab")
   if min(getattr(args, name) for name in sizes) < 1:

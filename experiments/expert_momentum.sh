@@ -8,6 +8,7 @@
 #   lowrank-16  the library's default rank (1.064 GB of state at moe-6.78b)
 #   none        no expert momentum (the attribution's 59.39 row, re-run here)
 #   lowrank-16-seed1, lowrank-16-seed2   the best row's seeds 1 and 2
+#   lowrank-16-lr0.00675, lowrank-16-lr0.027   its rate at half and twice 1.35e-2 (seed 0)
 # ROWS picks some ("lowrank-2 none"; empty: none, only the table); each is about 45 min on 2 CPU cores beside
 # another. A finished row is not trained again.
 set -euo pipefail
@@ -26,6 +27,9 @@ declare -A FLAGS=(
   # the best row's other seeds (its seed 0 is lowrank-16)
   [lowrank-16-seed1]="--expert-momentum lowrank --expert-lowrank-rank 16 --seed 1"
   [lowrank-16-seed2]="--expert-momentum lowrank --expert-lowrank-rank 16 --seed 2"
+  # its rate coordinate at seed 0: half and twice the default row's 1.35e-2
+  [lowrank-16-lr0.00675]="--expert-momentum lowrank --expert-lowrank-rank 16 --lr 0.00675"
+  [lowrank-16-lr0.027]="--expert-momentum lowrank --expert-lowrank-rank 16 --lr 0.027"
 )
 for row in ${ROWS-lowrank-2 lowrank-16 none}; do
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then

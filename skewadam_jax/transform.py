@@ -58,6 +58,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from skewadam_jax import _explicit
@@ -841,8 +842,35 @@ def _stacked_plan(plan: LeafPlan) -> LeafPlan:
       shift(axes.rows), shift(axes.cols), None if axes.layer is None else axes.layer + 1))
 
 
-def _step_group(indices: list[int], grads, plans, parts, step) -> dict:
-  """``{i: step(plans[i], grads[i], parts[i])}`` for a group, in one stacked step."""
+def _unstack(stacked, n: int, anchor: jax.Array) -> list:
+  """``[tree_map(lambda x: x[j], stacked) for j in range(n)]``, sliced as each compiler prefers.
+
+  XLA:CPU compiles a slice at a constant offset as a kernel of its own (2.1 s
+  for the 96 slices of one ``[96, 64, 128]`` array), but slices at offsets it
+  only knows at run time as one kernel, compiled once and reused (0.3 s). So
+  on the CPU the offsets come out of a sort whose keys depend on ``anchor``
+  (any traced integer scalar) but are ascending whatever its value: exact,
+  and opaque to constant folding. XLA:GPU compiles the sort slowly (2.8 s
+  for 96 offsets) and constant slices well, so it gets those.
+  """
+  def at_runtime_offsets():
+    keys = jnp.minimum(anchor.astype(jnp.int32), 0) + jnp.arange(2, dtype=jnp.int32)
+    offsets = []
+    for start in range(0, n, 32):  # sorts of 32 offsets: one kernel, however many groups
+      payloads = tuple(np.full((2,), j, np.int32) for j in range(start, min(n, start + 32)))
+      offsets += [p[0] for p in jax.lax.sort((keys, *payloads), num_keys=1)[1:]]
+    return [jax.tree.map(lambda x, o=o: jax.lax.dynamic_index_in_dim(x, o, keepdims=False),
+                         stacked) for o in offsets]
+  return jax.lax.platform_dependent(
+      cpu=at_runtime_offsets,
+      default=lambda: [jax.tree.map(lambda x, j=j: x[j], stacked) for j in range(n)])
+
+
+def _step_group(indices: list[int], grads, plans, parts, step, anchor) -> dict:
+  """``{i: step(plans[i], grads[i], parts[i])}`` for a group, in one stacked step.
+
+  ``anchor``: a traced integer scalar (the step count), for :func:`_unstack`.
+  """
   if len(indices) == 1:
     i = indices[0]
     return {i: step(plans[i], grads[i], parts[i])}
@@ -856,8 +884,7 @@ def _step_group(indices: list[int], grads, plans, parts, step) -> dict:
       (jnp.stack([grads[i] for i in indices]), stacked))
   update, new = jax.lax.optimization_barrier(
       step(_stacked_plan(plans[indices[0]]), g, stacked))
-  return {i: (update[j], {name: x[j] for name, x in new.items()})
-          for j, i in enumerate(indices)}
+  return dict(zip(indices, _unstack((update, new), len(indices), anchor)))
 
 
 def _fresh_parts(plan: LeafPlan, leaf) -> dict:
@@ -1046,14 +1073,15 @@ def scale_by_skewadam(
       entries (:func:`leaf_groups`), so the step's kernels are compiled once
       a group, not once a leaf; the result is the same to float32 round-off
       (batched products and reductions may sum in another order). What it
-      costs is one output slice a leaf and field, and XLA:CPU compiles those
-      slowly (about 30 ms each against 2 ms for an elementwise kernel): on
-      the 501-leaf Hugging Face Mixtral-shaped tree of ``python -m
-      experiments.bench --compile-time``, trace + compile took 43.07 s
-      grouped against 97.08 s alone for XLA:GPU (A100 target; AdamW 13.90 s),
-      but 100.09 s against 54.04 s for XLA:CPU (AdamW 8.30 s). ``"auto"``
-      (default): grouped unless JAX's default backend is the CPU. ``False``:
-      each leaf alone.
+      costs is the stacking: a copy of each grouped leaf's gradient and state
+      in, and one out, per step. On the 501-leaf Hugging Face Mixtral-shaped
+      tree of ``python -m experiments.bench --compile-time`` (its leaves are
+      8192 entries), trace + compile took about half as long grouped as each
+      leaf alone for both XLA:GPU and XLA:CPU (the performance page has the
+      figures). On the CPU the copies cost more than they save at run time
+      from about 16K entries a leaf (``python -m experiments.bench
+      --grouping-cost``), so ``"auto"`` (default) groups unless JAX's default
+      backend is the CPU. ``False``: each leaf alone.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -1156,7 +1184,7 @@ def scale_by_skewadam(
             ([(grads[i], parts[i]) for i in indices], previous))
         for i, (g_i, parts_i) in zip(indices, inputs):
           grads[i], parts[i] = g_i, parts_i
-      result = _step_group(indices, grads, plans, parts, step)
+      result = _step_group(indices, grads, plans, parts, step, count)
       if large:
         previous = [result[i] for i in indices]
       stepped.update(result)

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -99,7 +100,8 @@ def test_compile_times_of_a_per_expert_tree():
   for target in targets:  # XLA:CPU, and XLA:GPU without a GPU where the extra is installed
     result = bench.compile_times(tree, rounds=1, target=target)
     assert result["leaves"] == 15 and set(result["rows"]) == {
-        "optax.adamw", "skewadam", "skewadam, leaves grouped", "the same math by hand"}
+        "optax.adamw", "skewadam", "skewadam, leaves grouped", "the same math by hand",
+        "skewadam's outputs, no math"}
     assert (result["target"], result["warning"]) == (target, None)
     assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
     for row in result["rows"].values():
@@ -127,6 +129,17 @@ def test_the_hand_written_floor_is_the_librarys_expert_math():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=f"{path} step {step}")
 
 
+def test_outputs_only_update_writes_every_array_of_the_state():
+  tree = {"w": jnp.ones((2, 8)), "b": jnp.ones((8,))}
+  tx = bench.outputs_only_update(bench.skewadam_jax.skewadam(1e-3))
+  state = tx.init(tree)
+  updates, new = tx.update(tree, state, tree)
+  np.testing.assert_array_equal(updates["w"], 2 * tree["w"])
+  for old, fresh in zip(jax.tree.leaves(state), jax.tree.leaves(new)):
+    assert fresh.shape == old.shape and fresh.dtype == old.dtype
+    assert not np.array_equal(np.asarray(fresh), np.asarray(old))
+
+
 def test_render_prints_a_saved_results_tables(tmp_path, capsys):
   saved = {"num_params": 1000, "copy_gbps": 50.0, "malloc": "tuned", "rows": [
       {"optimizer": "optax.adamw", "update_ms": 2.0, "ratio_to_adamw": 1.0,
@@ -141,3 +154,19 @@ def test_render_prints_a_saved_results_tables(tmp_path, capsys):
   assert "1,000 parameters (fp32), copy bandwidth 50.0 GB/s" in out
   assert "| optax.adamw | 2.0 | 1.00 (1.00–1.00) | 8.00 | 28.0 | 14.0 | 28 % | n/a | 0 |" in out
   assert "| adamw | 1,234 | 1.00 |" in out and out.rstrip().endswith("allocator: tuned")
+
+
+def test_grouping_cost_times_both_ways_and_renders(tmp_path, capsys):
+  result = bench.grouping_step_times(repeats=1, rounds=1, sizes=((1, 8, 16), (1, 16, 16)))
+  assert [r["leaf_entries"] for r in result["rows"]] == [128, 256]
+  for row in result["rows"]:
+    assert row["leaves"] == 8 * 3 + 2
+    assert row["alone_ms"] > 0 and row["grouped_ms"] > 0
+    assert row["grouped_over_alone"] == pytest.approx(row["grouped_ms"] / row["alone_ms"])
+  path = tmp_path / "grouping.json"
+  path.write_text(json.dumps({**result, "backend": "cpu", "machine": "m", "date": "d"}))
+  assert bench.main(["--render", str(path)]) == 0
+  out = capsys.readouterr().out
+  row = result["rows"][0]
+  assert (f"| 128 | 26 | {row['alone_ms']:.1f} | {row['grouped_ms']:.1f} | "
+          f"{row['grouped_over_alone']:.2f} |") in out

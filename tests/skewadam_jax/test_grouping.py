@@ -79,3 +79,25 @@ def test_the_program_grows_with_plans_not_leaves():
   assert alone_large > 2.5 * alone_small  # each leaf its own ops
   # Grouped: only the stack and the slices grow (a few lines a leaf).
   assert large - small < 0.25 * (alone_large - alone_small)
+
+
+@pytest.mark.parametrize("anchor", [0, 7, -1, np.iinfo(np.int32).min, np.iinfo(np.int32).max])
+def test_unstack_takes_every_slice_in_order_whatever_the_anchor(anchor):
+  n = 70  # three sorts of offsets: 32, 32 and 6
+  stacked = {"a": jnp.arange(float(n)), "b": jnp.arange(2 * n).reshape(n, 2)}
+  out = jax.jit(lambda a: transform._unstack(stacked, n, a))(jnp.int32(anchor))
+  assert len(out) == n
+  for j, tree in enumerate(out):
+    assert float(tree["a"]) == j and tree["b"].tolist() == [2 * j, 2 * j + 1]
+
+
+def test_a_group_s_outputs_are_sliced_at_runtime_offsets_on_the_cpu():
+  # Constant offsets would make every slice a kernel of its own for XLA:CPU
+  # (transform._unstack): the compiled program must slice at offsets
+  # it reads at run time, and have no static slice of a stacked result left.
+  tree = _per_expert_tree(4)
+  tx = sa.scale_by_skewadam(param_labels=sa.label_fn("hf"), group_leaves=True)
+  compiled = jax.jit(tx.update).trace(tree, tx.init(tree)).lower().compile().as_text()
+  assert " dynamic-slice(" in compiled
+  static = [line for line in compiled.splitlines() if " slice(" in line]
+  assert all("= s32[1]" in line for line in static), static[:3]  # the offsets' own
