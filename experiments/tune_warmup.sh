@@ -2,7 +2,8 @@
 # #42's second tuned hyperparameter, the same for every contender: the warmup at
 # the long horizon. Each contender's 1600-step row (rate swept at 1600 steps,
 # experiments/results/compare-long.json; the default SkewAdam row on 0.3.0's
-# defaults, experiments/results/safe-defaults-1600.json) re-run at seed 0 with
+# defaults, experiments/results/safe-defaults-1600.json; the rank-16 expert
+# momentum's, experiments/expert_momentum.sh) re-run at seed 0 with
 # only the warmup changed from the comparison's 10 % (160 steps), one coordinate
 # of a coordinate descent (rate, then warmup). ROWS picks some ("muon-60"; empty: none);
 # each is about 30 min alone on 2 CPU cores, 45 min beside another. A finished
@@ -16,15 +17,18 @@ runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --seed 0 --no-progress)
 declare -A FLAGS=(  # each contender at its 1600-step rate
   [skewadam]="--optimizer skewadam --lr 0.0135"
+  # the rank-16 expert momentum (experiments/expert_momentum.sh), its rate swept there
+  [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16"
   [muon]="--optimizer muon --lr 0.015"
   [adamw]="--optimizer adamw --lr 0.0045"
 )
 declare -A BASELINE=(  # each contender's seed-0 run with the 160-step warmup
   [skewadam]=experiments/results/safe-defaults-1600-runs/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-stochastic-auto-on-seed0
+  [lowrank]=experiments/results/expert-momentum-runs/lowrank-16
   [muon]=experiments/results/compare-long-runs/muon-sweep-lr1.50e-02
   [adamw]=experiments/results/compare-long-runs/adamw-sweep-lr4.50e-03
 )
-for row in ${ROWS-skewadam-60 muon-60 adamw-60}; do
+for row in ${ROWS-skewadam-60 lowrank-60 muon-60 adamw-60}; do
   contender=${row%-*} warmup=${row##*-}
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
     continue
@@ -35,7 +39,7 @@ for row in ${ROWS-skewadam-60 muon-60 adamw-60}; do
 done
 # rewrites the committed experiments/results/tune-warmup.md: one table a contender
 {
-  for contender in skewadam muon adamw; do
+  for contender in skewadam lowrank muon adamw; do
     finished=$(ls -d "$RUNS/$contender"-*/ 2>/dev/null | paste -sd, -)
     [ -n "$finished" ] || continue
     echo "### $contender"

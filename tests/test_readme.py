@@ -104,6 +104,7 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert compile_time[:2] == [
       f"{total['skewadam']:.2f} s ({ratio(times, 'skewadam')} AdamW's, each leaf alone as the "
       "default does on a CPU; the target is 2×; "
+      f"grouped: {ratio(times, 'skewadam, leaves grouped')}; "
       f"the same math by hand, no library: {ratio(times, 'the same math by hand')})",
       f"{total['optax.adamw']:.2f} s"]
   gpu = json.loads((RESULTS / "bench-runs" / "compile-time-a100.json").read_text())
