@@ -859,8 +859,9 @@ def _unstack(stacked, n: int, anchor: jax.Array) -> list:
     for start in range(0, n, 32):  # sorts of 32 offsets: one kernel, however many groups
       payloads = tuple(np.full((2,), j, np.int32) for j in range(start, min(n, start + 32)))
       offsets += [p[0] for p in jax.lax.sort((keys, *payloads), num_keys=1)[1:]]
-    return [jax.tree.map(lambda x, o=o: jax.lax.dynamic_index_in_dim(x, o, keepdims=False),
-                         stacked) for o in offsets]
+    take = lambda x, o: jax.lax.dynamic_index_in_dim(  # noqa: E731
+        x, o, keepdims=False, allow_negative_indices=False)  # the offsets are in range
+    return [jax.tree.map(lambda x, o=o: take(x, o), stacked) for o in offsets]
   return jax.lax.platform_dependent(
       cpu=at_runtime_offsets,
       default=lambda: [jax.tree.map(lambda x, j=j: x[j], stacked) for j in range(n)])
