@@ -398,14 +398,12 @@ def grouping_step_times(*, repeats: int = 5, rounds: int = 3,
 
 def grouping_markdown(result: dict) -> str:
   """The table of a :func:`grouping_step_times` result, with its machine and date."""
-  return "\n".join(
-      [f"`skewadam()`'s update with its leaves grouped against each alone "
-       f"({result.get('backend', 'cpu')}; medians of {result['rounds']} alternating rounds; "
-       f"{result.get('machine', 'machine not recorded')}, {result.get('date', 'no date')}):",
-       "", "| expert leaf entries | leaves | alone (ms) | grouped (ms) | grouped ÷ alone |",
-       "|---|---|---|---|---|"]
-      + [f"| {r['leaf_entries']:,} | {r['leaves']} | {r['alone_ms']:.1f} | "
-         f"{r['grouped_ms']:.1f} | {r['grouped_over_alone']:.2f} |" for r in result["rows"]])
+  return _titled_table(
+      f"`skewadam()`'s update with its leaves grouped against each alone "
+      f"({result.get('backend', 'cpu')}; medians of {result['rounds']} alternating rounds",
+      result, ["expert leaf entries", "leaves", "alone (ms)", "grouped (ms)", "grouped ÷ alone"],
+      [f"| {r['leaf_entries']:,} | {r['leaves']} | {r['alone_ms']:.1f} | "
+       f"{r['grouped_ms']:.1f} | {r['grouped_over_alone']:.2f} |" for r in result["rows"]])
 
 
 # The train steps compared: name → TrainConfig overrides.
@@ -495,16 +493,22 @@ def markdown(update: dict, train: dict | None) -> str:
   return "\n".join(lines)
 
 
+def _titled_table(title: str, result: dict, columns: list[str], rows: list[str]) -> str:
+  """``title``, then the result's machine and date, then a Markdown table of ``rows``."""
+  return "\n".join(
+      [f"{title}; {result.get('machine', 'machine not recorded')}, "
+       f"{result.get('date', 'no date')}):", "",
+       "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + rows)
+
+
 def compile_markdown(result: dict) -> str:
   """The table of a :func:`compile_times` result, with its machine and date."""
-  return "\n".join(
-      [f"Jitted update on a {result['leaves']}-leaf per-expert tree, compiled for "
-       f"{result.get('target', 'cpu')} (medians of {result['rounds']} alternating rounds; "
-       f"{result.get('machine', 'machine not recorded')}, {result.get('date', 'no date')}):",
-       "", "| optimizer | trace + lower (s) | compile (s) | StableHLO lines | total × AdamW |",
-       "|---|---|---|---|---|"]
-      + [f"| {name} | {r['trace_s']:.2f} | {r['compile_s']:.2f} | {r['hlo_lines']:,} "
-         f"| {r['total_ratio_to_adamw']:.2f} |" for name, r in result["rows"].items()])
+  return _titled_table(
+      f"Jitted update on a {result['leaves']}-leaf per-expert tree, compiled for "
+      f"{result.get('target', 'cpu')} (medians of {result['rounds']} alternating rounds",
+      result, ["optimizer", "trace + lower (s)", "compile (s)", "StableHLO lines", "total × AdamW"],
+      [f"| {name} | {r['trace_s']:.2f} | {r['compile_s']:.2f} | {r['hlo_lines']:,} "
+       f"| {r['total_ratio_to_adamw']:.2f} |" for name, r in result["rows"].items()])
 
 
 def build_parser() -> argparse.ArgumentParser:
