@@ -9,6 +9,8 @@
 #   none        no expert momentum (the attribution's 59.39 row, re-run here)
 #   lowrank-16-seed1, lowrank-16-seed2   the best row's seeds 1 and 2
 #   lowrank-16-lr0.00675, lowrank-16-lr0.027   its rate at half and twice 1.35e-2 (seed 0)
+#   lowrank-20, lowrank-20-seed1, lowrank-20-seed2   the largest rank within the 1.29 GB
+#               budget (1.242 GB at moe-6.78b; rank 21: 1.287 GB), at rank 16's swept rate
 # ROWS picks some ("lowrank-2 none"; empty: none, only the table); each is about 45 min on 2 CPU cores beside
 # another. A finished row is not trained again.
 set -euo pipefail
@@ -30,6 +32,9 @@ declare -A FLAGS=(
   # its rate coordinate at seed 0: half and twice the default row's 1.35e-2
   [lowrank-16-lr0.00675]="--expert-momentum lowrank --expert-lowrank-rank 16 --lr 0.00675"
   [lowrank-16-lr0.027]="--expert-momentum lowrank --expert-lowrank-rank 16 --lr 0.027"
+  [lowrank-20]="--expert-momentum lowrank --expert-lowrank-rank 20"
+  [lowrank-20-seed1]="--expert-momentum lowrank --expert-lowrank-rank 20 --seed 1"
+  [lowrank-20-seed2]="--expert-momentum lowrank --expert-lowrank-rank 20 --seed 2"
 )
 for row in ${ROWS-lowrank-2 lowrank-16 none}; do
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
@@ -42,19 +47,22 @@ done
 "$PYTHON" -m experiments.compare --runs-table "$(ls -d $RUNS/*/ | paste -sd, -)" \
     --baseline experiments/results/safe-defaults-1600-runs/skewadam-bf16-factored-sign-exact-orthogonal-orthogonal-stochastic-auto-on-seed0 \
     > experiments/results/expert-momentum.md
-# The best row over its seeds, beside Muon's and the default's rows of the long comparison.
+# Each rank's row over its seeds, beside Muon's and the default's rows of the long comparison.
 "$PYTHON" - >> experiments/results/expert-momentum.md <<'PY'
 import json, pathlib, statistics
 runs = pathlib.Path("experiments/results/expert-momentum-runs")
-ppl = [json.loads((runs / d / "summary.json").read_text())["val_ppl"]
-       for d in ("lowrank-16", "lowrank-16-seed1", "lowrank-16-seed2")
-       if (runs / d / "summary.json").exists()]
 rows = {r["optimizer"] if r["config"] == "default" else r["config"].get("backbone_dir", "adam"): r
         for r in json.loads(pathlib.Path("experiments/results/compare-long.json").read_text())}
-print(f"\n`lowrank-16` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f}"
-      + (f" ± {statistics.stdev(ppl):.2f}" if len(ppl) > 1 else "")
-      + f" (by seed: {', '.join(f'{p:.2f}' for p in ppl)}); in `compare-long.json`, Muon "
-      f"{rows['muon']['val_ppl_mean']:.2f} ± {rows['muon']['val_ppl_std']:.2f}, the default "
-      f"(orthogonal tiers, before 0.3.0's safe defaults) {rows['orthogonal']['val_ppl_mean']:.2f}"
-      f" ± {rows['orthogonal']['val_ppl_std']:.2f}.")
+for rank in (16, 20):
+  name = f"lowrank-{rank}"
+  ppl = [json.loads((runs / d / "summary.json").read_text())["val_ppl"]
+         for d in (name, f"{name}-seed1", f"{name}-seed2") if (runs / d / "summary.json").exists()]
+  if not ppl:
+    continue
+  print(f"\n`{name}` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f}"
+        + (f" ± {statistics.stdev(ppl):.2f}" if len(ppl) > 1 else "")
+        + f" (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
+print(f"\nIn `compare-long.json`, Muon {rows['muon']['val_ppl_mean']:.2f} ± "
+      f"{rows['muon']['val_ppl_std']:.2f}, the default (orthogonal tiers, before 0.3.0's safe "
+      f"defaults) {rows['orthogonal']['val_ppl_mean']:.2f} ± {rows['orthogonal']['val_ppl_std']:.2f}.")
 PY
