@@ -59,9 +59,11 @@ for rank in (16, 20):
          for d in (name, f"{name}-seed1", f"{name}-seed2") if (runs / d / "summary.json").exists()]
   if not ppl:
     continue
-  print(f"\n`{name}` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f}"
-        + (f" ± {statistics.stdev(ppl):.2f}" if len(ppl) > 1 else "")
-        + f" (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
+  if len(ppl) == 1:
+    print(f"\n`{name}` at seed 0 only: {ppl[0]:.2f}.")
+  else:
+    print(f"\n`{name}` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f} ± "
+          f"{statistics.stdev(ppl):.2f} (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
 print(f"\nIn `compare-long.json`, Muon {rows['muon']['val_ppl_mean']:.2f} ± "
       f"{rows['muon']['val_ppl_std']:.2f}, the default (orthogonal tiers, before 0.3.0's safe "
       f"defaults) {rows['orthogonal']['val_ppl_mean']:.2f} ± {rows['orthogonal']['val_ppl_std']:.2f}.")
