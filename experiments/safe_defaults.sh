@@ -4,7 +4,9 @@
 # bound of its own, non-finite containment), at the rate both comparisons gave the
 # old default row (1.35e-2), set beside the default row of compare-400.json /
 # compare-long.json. About 11 min a 400-step run and 45 min a 1600-step run on
-# 2 CPU cores (one run at a time).
+# 2 CPU cores (one run at a time). Then the rank-16 expert momentum's 400-step row
+# beside the default's (#42: the row the comparison's rule picks at 1600 steps),
+# 3 seeds at the same rate, reusing the default's runs: lowrank-400.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -20,4 +22,10 @@ if [ -n "${SEEDS_1600-0,1,2}" ]; then
   "$PYTHON" -m experiments.compare --steps 1600 --seeds "${SEEDS_1600-0,1,2}" "${ROW[@]}" \
       --runs experiments/results/safe-defaults-1600-runs --out experiments/results \
       --name safe-defaults-1600
+fi
+if [ -n "${LOWRANK_SEEDS_400-0,1,2}" ]; then
+  "$PYTHON" -m experiments.compare --steps 400 --seeds "${LOWRANK_SEEDS_400-0,1,2}" "${ROW[@]}" \
+      --skewadam-configs "expert_m=lowrank" \
+      --runs experiments/results/safe-defaults-400-runs --out experiments/results \
+      --name lowrank-400
 fi
