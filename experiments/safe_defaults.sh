@@ -7,6 +7,9 @@
 # 2 CPU cores (one run at a time). Then the rank-16 expert momentum's 400-step row
 # beside the default's (#42: the row the comparison's rule picks at 1600 steps),
 # 3 seeds at the same rate, reusing the default's runs: lowrank-400.{json,md}.
+# Last, which safe setting moves the 1600-step row: the default with one of them
+# off at a time, seed 0 (ABLATION picks some of u_clip=off, contain=off,
+# m_round=nearest; empty: none), beside the default's seed-0 run: safe-defaults-ablation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -28,4 +31,10 @@ if [ -n "${LOWRANK_SEEDS_400-0,1,2}" ]; then
       --skewadam-configs "expert_m=lowrank" \
       --runs experiments/results/safe-defaults-400-runs --out experiments/results \
       --name lowrank-400
+fi
+if [ -n "${ABLATION-}" ]; then
+  "$PYTHON" -m experiments.compare --steps 1600 --seeds 0 "${ROW[@]}" \
+      --skewadam-configs "${ABLATION// /;}" \
+      --runs experiments/results/safe-defaults-1600-runs --out experiments/results \
+      --name safe-defaults-ablation
 fi
