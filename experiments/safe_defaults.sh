@@ -10,31 +10,40 @@
 # Last, which safe setting moves the 1600-step row: the default with one of them
 # off at a time, seed 0 (ABLATION picks some of u_clip=off, contain=off,
 # m_round=nearest; empty: none), beside the default's seed-0 run: safe-defaults-ablation.
+# Then the second scale, small-x5 at 400 steps (X5 below): x5-safe-defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 source experiments/runs_folder.sh
 runs_folder experiments/results/safe-defaults-400-runs experiments/results/safe-defaults-1600-runs
-ROW=(--optimizers skewadam --skewadam-configs "" --lr 0.0135 --reuse-runs --no-progress)
+# compare ROW_STEPS SEEDS CONFIGS RUNS NAME [FLAG...]: one comparison at the old
+# default row's rate; CONFIGS are ';'-separated SkewAdam rows beside the default.
+compare() {
+  "$PYTHON" -m experiments.compare --steps "$1" --seeds "$2" --skewadam-configs "$3" \
+      --lr 0.0135 --reuse-runs --no-progress --runs "$4" --out experiments/results \
+      --name "$5" "${@:6}"
+}
+SKEW=(--optimizers skewadam)
+R400=experiments/results/safe-defaults-400-runs
+R1600=experiments/results/safe-defaults-1600-runs
 if [ -n "${SEEDS_400-0,1,2}" ]; then
-  "$PYTHON" -m experiments.compare --steps 400 --seeds "${SEEDS_400-0,1,2}" "${ROW[@]}" \
-      --runs experiments/results/safe-defaults-400-runs --out experiments/results \
-      --name safe-defaults-400
+  compare 400 "${SEEDS_400-0,1,2}" "" "$R400" safe-defaults-400 "${SKEW[@]}"
 fi
 if [ -n "${SEEDS_1600-0,1,2}" ]; then
-  "$PYTHON" -m experiments.compare --steps 1600 --seeds "${SEEDS_1600-0,1,2}" "${ROW[@]}" \
-      --runs experiments/results/safe-defaults-1600-runs --out experiments/results \
-      --name safe-defaults-1600
+  compare 1600 "${SEEDS_1600-0,1,2}" "" "$R1600" safe-defaults-1600 "${SKEW[@]}"
 fi
 if [ -n "${LOWRANK_SEEDS_400-0,1,2}" ]; then
-  "$PYTHON" -m experiments.compare --steps 400 --seeds "${LOWRANK_SEEDS_400-0,1,2}" "${ROW[@]}" \
-      --skewadam-configs "expert_m=lowrank" \
-      --runs experiments/results/safe-defaults-400-runs --out experiments/results \
-      --name lowrank-400
+  compare 400 "${LOWRANK_SEEDS_400-0,1,2}" "expert_m=lowrank" "$R400" lowrank-400 "${SKEW[@]}"
 fi
 if [ -n "${ABLATION-}" ]; then
-  "$PYTHON" -m experiments.compare --steps 1600 --seeds 0 "${ROW[@]}" \
-      --skewadam-configs "${ABLATION// /;}" \
-      --runs experiments/results/safe-defaults-1600-runs --out experiments/results \
-      --name safe-defaults-ablation
+  compare 1600 0 "${ABLATION// /;}" "$R1600" safe-defaults-ablation "${SKEW[@]}"
+fi
+# The second scale (small-x5, 400 steps, seed 0, about 1 h a run): rank 16 first,
+# then the sign-momentum row on the same defaults beside it (X5=lowrank trains
+# only the first; empty: neither).
+if [ -n "${X5-lowrank,default}" ]; then
+  X5_SKEW=(--optimizers "")
+  case ",${X5-lowrank,default}," in *,default,*) X5_SKEW=("${SKEW[@]}") ;; esac
+  compare 400 0 "expert_m=lowrank" experiments/results/compare-x5-runs x5-safe-defaults \
+      --config experiments/configs/small-x5.toml "${X5_SKEW[@]}"
 fi
