@@ -13,11 +13,13 @@ RUNS=experiments/results/compare-long-runs
 # The sweep centres: the rates 0.2.0's comparison tuned (frozen, so that a rerun
 # after compare-long.json is rewritten finds the same runs).
 RATES=experiments/results/compare-long-0.2.0.json,experiments/results/orthogonal/quick-normalized.json
-# SkewAdam's rows by their directions, spelt out (`--optimizers skewadam` is the
-# training command's default, which this comparison chose: the orthogonal row).
-NORMALIZED="backbone_dir=normalized_orthogonal,expert_dir=normalized_orthogonal"
-ORTHOGONAL="backbone_dir=orthogonal,expert_dir=orthogonal"
-ADAM="backbone_dir=adam,expert_dir=adam"  # the library's skewadam()
+# SkewAdam's rows by their directions, spelt out with the packed-sign expert
+# momentum they were measured with (this comparison chose the orthogonal row; the
+# training command's default has since taken rank-16 expert momentum instead,
+# experiments/expert_momentum.sh, so `--optimizers skewadam` is another row).
+NORMALIZED="backbone_dir=normalized_orthogonal,expert_dir=normalized_orthogonal,expert_m=sign"
+ORTHOGONAL="backbone_dir=orthogonal,expert_dir=orthogonal,expert_m=sign"
+ADAM="backbone_dir=adam,expert_dir=adam,expert_m=sign"  # the library's skewadam()
 PROTOCOL=(--steps 1600 --sweep-steps 1600 --seeds 0,1,2 --lr-factors 0.5,1
           --lr-from "$RATES" --runs "$RUNS" --reuse-runs --no-progress)
 one() {  # one contender: its partial table goes to runs/, not the results
@@ -59,7 +61,7 @@ attribution() {  # NAME LR FLAGS...: one row, unless its run has finished
   "$PYTHON" -m experiments.train --optimizer skewadam --steps 1600 --lr "$lr" \
       --warmup-steps 160 --eval-every 100 --eval-batches 16 --log-every 1 \
       --sample-tokens 0 --ckpt-every 1000000000 --seed 0 --no-progress \
-      --backbone-direction orthogonal --expert-direction orthogonal \
+      --backbone-direction orthogonal --expert-direction orthogonal --expert-momentum sign \
       --out "$ATTRIBUTION/$name" "$@"
 }
 ORTHO_LR=$(lr_of skewadam orthogonal)

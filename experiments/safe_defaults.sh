@@ -17,33 +17,39 @@ PYTHON=${PYTHON:-.venv/bin/python}
 source experiments/runs_folder.sh
 runs_folder experiments/results/safe-defaults-400-runs experiments/results/safe-defaults-1600-runs
 # compare ROW_STEPS SEEDS CONFIGS RUNS NAME [FLAG...]: one comparison at the old
-# default row's rate; CONFIGS are ';'-separated SkewAdam rows beside the default.
+# default row's rate; CONFIGS are ';'-separated SkewAdam rows.
 compare() {
   "$PYTHON" -m experiments.compare --steps "$1" --seeds "$2" --skewadam-configs "$3" \
       --lr 0.0135 --reuse-runs --no-progress --runs "$4" --out experiments/results \
       --name "$5" "${@:6}"
 }
-SKEW=(--optimizers skewadam)
+# The default row as these runs measured it: packed-sign expert momentum (the
+# training command's default before rank 16, which is the lowrank rows).
+SIGN=expert_m=sign
+ONLY=(--optimizers "")
 R400=experiments/results/safe-defaults-400-runs
 R1600=experiments/results/safe-defaults-1600-runs
 if [ -n "${SEEDS_400-0,1,2}" ]; then
-  compare 400 "${SEEDS_400-0,1,2}" "" "$R400" safe-defaults-400 "${SKEW[@]}"
+  compare 400 "${SEEDS_400-0,1,2}" "$SIGN" "$R400" safe-defaults-400 "${ONLY[@]}"
 fi
 if [ -n "${SEEDS_1600-0,1,2}" ]; then
-  compare 1600 "${SEEDS_1600-0,1,2}" "" "$R1600" safe-defaults-1600 "${SKEW[@]}"
+  compare 1600 "${SEEDS_1600-0,1,2}" "$SIGN" "$R1600" safe-defaults-1600 "${ONLY[@]}"
 fi
 if [ -n "${LOWRANK_SEEDS_400-0,1,2}" ]; then
-  compare 400 "${LOWRANK_SEEDS_400-0,1,2}" "expert_m=lowrank" "$R400" lowrank-400 "${SKEW[@]}"
+  compare 400 "${LOWRANK_SEEDS_400-0,1,2}" "$SIGN;expert_m=lowrank" "$R400" lowrank-400 \
+      "${ONLY[@]}"
 fi
 if [ -n "${ABLATION-}" ]; then
-  compare 1600 0 "${ABLATION// /;}" "$R1600" safe-defaults-ablation "${SKEW[@]}"
+  ROWS="$SIGN"
+  for row in $ABLATION; do ROWS+=";$SIGN,$row"; done
+  compare 1600 0 "$ROWS" "$R1600" safe-defaults-ablation "${ONLY[@]}"
 fi
 # The second scale (small-x5, 400 steps, seed 0, about 1 h a run): rank 16 first,
 # then the sign-momentum row on the same defaults beside it (X5=lowrank trains
 # only the first; empty: neither).
 if [ -n "${X5-lowrank,default}" ]; then
-  X5_SKEW=(--optimizers "")
-  case ",${X5-lowrank,default}," in *,default,*) X5_SKEW=("${SKEW[@]}") ;; esac
-  compare 400 0 "expert_m=lowrank" experiments/results/compare-x5-runs x5-safe-defaults \
-      --config experiments/configs/small-x5.toml "${X5_SKEW[@]}"
+  X5_ROWS="expert_m=lowrank"
+  case ",${X5-lowrank,default}," in *,default,*) X5_ROWS+=";$SIGN" ;; esac
+  compare 400 0 "$X5_ROWS" experiments/results/compare-x5-runs x5-safe-defaults \
+      --config experiments/configs/small-x5.toml "${ONLY[@]}"
 fi

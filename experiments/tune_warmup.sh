@@ -16,7 +16,7 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --seed 0 --no-progress)
 declare -A FLAGS=(  # each contender at its 1600-step rate
-  [skewadam]="--optimizer skewadam --lr 0.0135"
+  [skewadam]="--optimizer skewadam --lr 0.0135 --expert-momentum sign"
   # the rank-16 expert momentum (experiments/expert_momentum.sh), its rate swept there
   [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16"
   [muon]="--optimizer muon --lr 0.015"

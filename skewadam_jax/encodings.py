@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -300,6 +300,37 @@ class SignEncoding(MomentumEncoding):
     return jnp.where(_explicit.like(negative, magnitude), -magnitude, magnitude)
 
 
+class _MatrixView(NamedTuple):
+  """A leaf seen as a stack of ``R × C`` matrices: its batch axes first, then its
+  row axes flattened into ``R`` and its column axes into ``C``."""
+  order: tuple[int, ...]  # the leaf's axes: batch, then rows, then columns
+  batch: tuple[int, ...]  # the batch axes' sizes
+  rows: tuple[int, ...]   # the row axes' sizes
+  cols: tuple[int, ...]   # the column axes' sizes
+
+  @classmethod
+  def of(cls, shape: tuple[int, ...], axes: MatrixAxes) -> "_MatrixView":
+    ndim = len(shape)
+    rows = tuple(a % ndim for a in axes.row_axes)
+    cols = tuple(a % ndim for a in axes.col_axes)
+    batch = tuple(a for a in range(ndim) if a not in rows + cols)
+    return cls(batch + rows + cols, tuple(shape[a] for a in batch),
+               tuple(shape[a] for a in rows), tuple(shape[a] for a in cols))
+
+  def to_matrix(self, x: jax.Array) -> jax.Array:
+    """A leaf-shaped array (or a factor in its stored layout) as ``[..., R', C']``."""
+    split = len(self.batch) + len(self.rows)
+    x = jnp.transpose(x, self.order)
+    return x.reshape(x.shape[:len(self.batch)] + (math.prod(x.shape[len(self.batch):split]),
+                                                   math.prod(x.shape[split:])))
+
+  def from_matrix(self, x: jax.Array, rows: tuple[int, ...], cols: tuple[int, ...]) -> jax.Array:
+    """``[..., R', C']`` back in the leaf's axis order, its two sides split into
+    ``rows`` and ``cols`` (sizes of the row and column axes, in order)."""
+    x = x.reshape(self.batch + rows + cols)
+    return jnp.transpose(x, tuple(sorted(range(len(self.order)), key=self.order.__getitem__)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LowRankEncoding(MomentumEncoding):
   """A rank-``r`` factorisation ``m ≈ P·Qᵀ`` of each matrix, refined once a step.
@@ -312,44 +343,41 @@ class LowRankEncoding(MomentumEncoding):
   the directions of ``m`` outside the subspace are dropped each step (no
   error feedback: it would store a full-size residual). Before the first
   step ``Q`` is zero and a fixed pseudo-random ``Q`` starts the iteration.
-  Needs a matrix of one row axis and one column axis; explicit sharding (sharding
-  in types) of its QR is not supported. The factors are unique only up to a
+
+  A matrix of several row or column axes (``MatrixAxes(0, (1, 2))``) is the
+  ``R × C`` matrix of its flattened sides. ``P`` is stored in the leaf's axis
+  order with its column axes shortened (the last to ``r``, the others to 1),
+  ``Qᵀ`` with its row axes shortened the same way, so each factor shards as
+  its parameter does along every axis it keeps
+  (:func:`~skewadam_jax.state_shardings`). Explicit sharding (sharding in
+  types) of its QR is not supported. The factors are unique only up to a
   rotation: compare two states by their product.
   """
   rank: int = 16
   name = "lowrank"
   matrix_only = True
 
-  @staticmethod
-  def _sides(axes: MatrixAxes) -> tuple[int, int]:
-    if len(axes.row_axes) != 1 or len(axes.col_axes) != 1:
-      raise ValueError(f"momentum='lowrank' needs one row axis and one column axis, got "
-                       f"matrix axes {axes}; declare the matrix with single axes or use "
-                       "another encoding.")
-    return axes.row_axes[0], axes.col_axes[0]
-
   def encode(self, m, axes, salt=None, previous=None):
-    rows, cols = self._sides(axes)
-    last_two = lambda x: jnp.moveaxis(x, (rows, cols), (-2, -1))  # noqa: E731
-    back = lambda x: jnp.moveaxis(x, (-2, -1), (rows, cols))  # noqa: E731
-    m = last_two(m.astype(jnp.float32))  # [..., R, C]
+    view = _MatrixView.of(m.shape, axes)
+    m = view.to_matrix(m.astype(jnp.float32))  # [..., R, C]
     r = min(self.rank, m.shape[-2], m.shape[-1])
-    q_shape = m.shape[:-2] + (m.shape[-1], r)
-    start = jax.random.normal(jax.random.key(0), q_shape, jnp.float32)
+    start = jax.random.normal(jax.random.key(0), m.shape[:-2] + (m.shape[-1], r), jnp.float32)
     if previous is None:
       q = start
     else:
-      q = jnp.swapaxes(last_two(previous["mu_col"]), -1, -2)  # stored as Qᵀ
+      q = jnp.swapaxes(view.to_matrix(previous["mu_col"]), -1, -2)  # stored as Qᵀ
       q = jnp.where(jnp.any(q != 0, axis=(-2, -1), keepdims=True), q, start)
     p, _ = jnp.linalg.qr(m @ q)
     q_t = jnp.swapaxes(p, -1, -2) @ m  # Qᵀ = Pᵀ·m, [..., r, C]
-    return {"mu_row": back(p), "mu_col": back(q_t)}
+    shortened = lambda sizes: (1,) * (len(sizes) - 1) + (r,)  # noqa: E731
+    return {"mu_row": view.from_matrix(p, view.rows, shortened(view.cols)),
+            "mu_col": view.from_matrix(q_t, shortened(view.rows), view.cols)}
 
   def decode(self, parts, axes):
-    rows, cols = self._sides(axes)
-    last_two = lambda x: jnp.moveaxis(x, (rows, cols), (-2, -1))  # noqa: E731
-    return jnp.moveaxis(last_two(parts["mu_row"]) @ last_two(parts["mu_col"]), (-2, -1),
-                        (rows, cols))
+    p_view = _MatrixView.of(parts["mu_row"].shape, axes)
+    q_view = _MatrixView.of(parts["mu_col"].shape, axes)
+    product = p_view.to_matrix(parts["mu_row"]) @ q_view.to_matrix(parts["mu_col"])
+    return p_view.from_matrix(product, p_view.rows, q_view.cols)
 
 
 def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",

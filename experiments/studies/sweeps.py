@@ -163,7 +163,13 @@ def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
     >>> resolve_entry("skewadam", {"backbone_dir": "adam", "expert_dir": "adam"}) == resolve_config({})
     True
   """
-  return resolve_config({**TRAIN_DEFAULT, **(config or {})}) if optimizer == "skewadam" else None
+  if optimizer != "skewadam":
+    return None
+  config = {**TRAIN_DEFAULT, **(config or {})}
+  if "expert_m" not in config:  # the training command's default follows the direction
+    momentum = config_lib.expert_momentum_default(config.get("expert_dir", IMPLICIT["expert_dir"]))
+    config = {**config, **({"expert_m": momentum} if momentum else {})}
+  return resolve_config(config)
 
 
 def default_config() -> dict:
@@ -202,7 +208,7 @@ def run_name(optimizer: str, config: dict | None) -> str:
 def _same_config(saved: dict | None, config: TrainConfig) -> bool:
   # A run saved before a config field existed ran with that field's default.
   saved = json.loads(json.dumps(config_lib.comparable(saved or {})))
-  return saved == json.loads(json.dumps(config_lib.comparable(dataclasses.asdict(config))))
+  return saved == json.loads(json.dumps(config_lib.comparable(config.as_dict())))
 
 
 def finished_summary(out: pathlib.Path, config: TrainConfig) -> dict | None:
@@ -255,7 +261,7 @@ def run_or_reuse(base: TrainConfig, out: pathlib.Path, cache_dir, *,
     except training.TrainingError as err:
       if not allow_divergence:
         raise
-      diverged = {"config": dataclasses.asdict(config), "error": str(err)}
+      diverged = {"config": config.as_dict(), "error": str(err)}
       (out / "diverged.json").write_text(json.dumps(diverged, indent=2) + "\n")
   if not keep_checkpoints:  # a sweep needs the metrics and summary only
     shutil.rmtree(out / "ckpt", ignore_errors=True)

@@ -147,9 +147,16 @@ class TrainConfig:
   attention_impl: str | None = setting(None, "jax.nn.dot_product_attention's implementation "
                                        "(default: the preset's, else JAX chooses)",
                                        structural=True, choices=("xla", "cudnn"), kind=str)
+  # None follows the expert tier's direction (expert_momentum_default): the
+  # orthogonal ones take skewadam_orthogonal's rank-16 factors, which the
+  # comparison's rule chose over packed signs (docs/results/quality.md); Adam's
+  # keeps the library's signs. Runs save the value it resolved to (as_dict), so
+  # a saved None is from before that rule: the library's sign.
   expert_momentum: str | None = setting(
-      None, "SkewAdam expert-tier momentum encoding (default: the library's)",
-      structural=True, choices=_ENCODINGS, kind=str)
+      None, "SkewAdam expert-tier momentum encoding (default: lowrank, rank-16 factors, "
+      "with an orthogonal expert direction, as skewadam_jax.skewadam_orthogonal(); the "
+      "library's sign with --expert-direction adam, as skewadam_jax.skewadam())",
+      structural=True, choices=_ENCODINGS, kind=str, before="sign", saved_none="sign")
   expert_lowrank_rank: int | None = setting(
       None, "with --expert-momentum lowrank: the rank of each expert matrix's momentum "
       "factors (default: the library's, 16)", structural=True, kind=int)
@@ -236,6 +243,19 @@ class TrainConfig:
         overrides[name] = getattr(self, name)
     return models.get_preset(self.preset, **overrides)
 
+  @property
+  def resolved_expert_momentum(self) -> str | None:
+    """``expert_momentum``, or its default for ``expert_direction``
+    (:func:`expert_momentum_default`); ``None``: the library's."""
+    return self.expert_momentum or expert_momentum_default(self.expert_direction)
+
+  def as_dict(self) -> dict:
+    """The fields as a run saves them (``dataclasses.asdict``), with the
+    defaults that follow another field resolved (``expert_momentum``), so a
+    saved configuration reads the same after such a default changes."""
+    return {**dataclasses.asdict(self), "expert_momentum": self.resolved_expert_momentum
+            or skewadam_jax.DEFAULT_EXPERT.momentum}
+
   def skewadam_tiers(self) -> dict:
     """SkewAdam's tier settings that this configuration sets: ``{"backbone": {...},
     "expert": {...}, "router": {...}}`` (a tier only where a field is set), and
@@ -246,7 +266,7 @@ class TrainConfig:
     # Adam's direction has the same tiers as one planned before the training
     # command's default changed.
     library = lambda d: None if d == optimizers.LIBRARY_DIRECTION else d
-    expert = {k: v for k, v in (("momentum", self.expert_momentum),
+    expert = {k: v for k, v in (("momentum", self.resolved_expert_momentum),
                                 ("lowrank_rank", None if self.expert_lowrank_rank is None
                                  else int(self.expert_lowrank_rank)),
                                 ("direction", library(self.expert_direction)),
@@ -365,6 +385,21 @@ class TrainConfig:
         raise ValueError("--skip-nonfinite with --update-in-backward needs --clip-mode "
                          "exact (in 'stale' mode a layer is updated before the later "
                          "layers' gradients are seen)")
+
+
+def expert_momentum_default(expert_direction: str | None) -> str | None:
+  """The training command's expert momentum for an expert direction: ``None``
+  (the library's, ``sign``) with Adam's, and
+  :data:`skewadam_jax.ORTHOGONAL_EXPERT_MOMENTUM` with an orthogonal one, as
+  :func:`skewadam_jax.skewadam` and :func:`skewadam_jax.skewadam_orthogonal` do.
+
+  Example:
+    >>> expert_momentum_default("orthogonal"), expert_momentum_default("adam")
+    ('lowrank', None)
+  """
+  if expert_direction in (None, optimizers.LIBRARY_DIRECTION):
+    return None
+  return skewadam_jax.ORTHOGONAL_EXPERT_MOMENTUM
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

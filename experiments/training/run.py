@@ -260,7 +260,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
 def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
            stop_after: int | None, progress: bool, poisoned: frozenset) -> TrainResult:
   config = run.config
-  config_dict = dataclasses.asdict(config)
+  config_dict = config.as_dict()
   params, opt_state = run.init_state()
   start = 0
   latest = ckpt.latest_step()

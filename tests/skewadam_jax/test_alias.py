@@ -36,7 +36,8 @@ def test_it_is_skewadam_with_both_matrix_tiers_orthogonal_and_embeddings_on_adam
   labels = sa.label_fn("hf")
   explicit = sa.skewadam(
       1e-2, b1=0.9, b2=0.95, weight_decay=0.1, max_grad_norm=1.0, param_labels=labels,
-      backbone={"direction": "orthogonal"}, expert={"direction": "orthogonal"},
+      backbone={"direction": "orthogonal"},
+      expert={"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 16},
       orthogonal_mask={k: k not in ("model.embed_tokens.weight", "lm_head.weight")
                        for k in params})
   alias = sa.skewadam_orthogonal(1e-2, param_labels=labels)
@@ -48,6 +49,11 @@ def test_it_is_skewadam_with_both_matrix_tiers_orthogonal_and_embeddings_on_adam
     for name in params:
       np.testing.assert_array_equal(u_alias[name], u_explicit[name], err_msg=name)
   assert jax.tree.structure(s_alias) == jax.tree.structure(s_explicit)
+  # The expert tier stores rank-16 factors, not packed signs, unless told.
+  w1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+  assert optax.tree.get(s_alias, "mu_row")[w1].shape == (8, 8)  # rank min(16, 8, 12)
+  signs = sa.skewadam_orthogonal(1e-2, param_labels=labels, expert={"momentum": "sign"})
+  assert optax.tree.get(signs.init(params), "mu")[w1].dtype == jnp.uint8
 
 
 def test_the_embedding_patterns_pick_out_embeddings_of_every_named_framework():

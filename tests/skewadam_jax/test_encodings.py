@@ -211,8 +211,19 @@ def test_lowrank_momentum_is_exact_for_a_low_rank_matrix_and_finds_the_top_subsp
   t = enc.decode(enc.encode(m.transpose(0, 2, 1), sa.MatrixAxes(2, 1)), sa.MatrixAxes(2, 1))
   np.testing.assert_allclose(t, m.transpose(0, 2, 1), rtol=1e-4, atol=1e-4)
   assert enc.bytes_per_param((1024, 1400)) == pytest.approx(4 * 3 * (1024 + 1400) / (1024 * 1400))
-  with pytest.raises(ValueError, match="one row axis and one column axis"):
-    enc.encode(jnp.zeros((4, 2, 3)), sa.MatrixAxes(0, (1, 2)))
+  # Several row or column axes: the matrix of the flattened sides, reshaped by hand.
+  heads = jax.random.normal(keys[2], (5, 2, 12, 3, 4))  # [L, H?, D, H, K], batch axes 0 and 1
+  flat = heads.reshape(5, 2, 12, 12)
+  split = sa.MatrixAxes(2, (3, 4))
+  parts = enc.encode(heads, split)
+  assert parts["mu_row"].shape == (5, 2, 12, 1, 3) and parts["mu_col"].shape == (5, 2, 3, 3, 4)
+  for _ in range(3):
+    parts = enc.encode(heads, split, previous=parts)
+  by_hand = enc.encode(flat, sa.MatrixAxes(2, 3))
+  for _ in range(3):
+    by_hand = enc.encode(flat, sa.MatrixAxes(2, 3), previous=by_hand)
+  np.testing.assert_allclose(enc.decode(parts, split).reshape(5, 2, 12, 12),
+                             enc.decode(by_hand, sa.MatrixAxes(2, 3)), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="rank must be a positive int"):
     sa.TierConfig("lowrank", "factored", lowrank_rank=0)
 

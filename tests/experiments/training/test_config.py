@@ -166,6 +166,24 @@ def test_a_preset_file_names_its_bad_key(tmp_path):
     models.load_preset_file(path)
 
 
+def test_the_default_expert_momentum_follows_the_direction_and_old_runs_keep_signs():
+  default = config_lib.TrainConfig()
+  assert default.expert_momentum is None and default.resolved_expert_momentum == "lowrank"
+  adam = config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")
+  # Adam's direction is the library's skewadam(): its packed signs, no expert setting.
+  assert adam.resolved_expert_momentum is None and "expert" not in adam.skewadam_tiers()
+  assert adam.as_dict()["expert_momentum"] == "sign"
+  assert default.as_dict()["expert_momentum"] == "lowrank"
+  # A run saved before rank 16 (None: the library's signs, whatever the direction)
+  # is not the default's run; with signs named it is.
+  saved = default.as_dict() | {"expert_momentum": None}
+  assert "expert_momentum='sign'" in config_lib.resume_check(default.as_dict())({"config": saved})
+  signs = dataclasses.replace(default, expert_momentum="sign")
+  assert config_lib.resume_check(signs.as_dict())({"config": saved}) is None
+  assert config_lib.resume_check(adam.as_dict())(
+      {"config": adam.as_dict() | {"expert_momentum": None}}) is None
+
+
 def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
   # A saved None was the library's direction (adam); the default is now orthogonal.
   saved = {"optimizer": "skewadam", "backbone_direction": None, "expert_direction": None}
@@ -180,7 +198,8 @@ def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
   assert config_lib.resume_check(dataclasses.asdict(old))({"config": saved}) is None
   assert old.skewadam_tiers()["clip_threshold"] is None
   assert adam.skewadam_tiers() == {} and config_lib.TrainConfig().skewadam_tiers() == {
-      "backbone": {"direction": "orthogonal"}, "expert": {"direction": "orthogonal"}}
+      "backbone": {"direction": "orthogonal"},
+      "expert": {"direction": "orthogonal", "momentum": "lowrank"}}
   # Another optimizer does not read the tier fields: its old runs are the same runs.
   adamw = dataclasses.asdict(config_lib.TrainConfig(optimizer="adamw"))
   assert config_lib.resume_check(adamw)({"config": {**saved, "optimizer": "adamw"}}) is None
