@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-from experiments.studies import sweeps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -82,19 +81,27 @@ def test_the_figures_at_a_glance_are_the_results_files():
   long = json.loads((RESULTS / "compare-long.json").read_text())
   by_name = {(r["optimizer"], r["config"].get("backbone_dir", "adam")
               if isinstance(r["config"], dict) else "adam"): r for r in long}
-  default = by_name["skewadam", "orthogonal"]
-  # The tiers' row, measured before 0.3.0's safety settings (re-run: safe-defaults-*.json).
-  assert default["config"] == sweeps.without_safety(sweeps.default_config())
+  # The default's row: rank-16 expert momentum on 0.3.0's defaults (expert_momentum.sh),
+  # priced as the planner prices the default's step.
+  default = json.loads((RESULTS / "expert-momentum.json").read_text())["lowrank-16"]
+  assert len(default["val_ppl"]) == 3
+  assert skewadam["skewadam_tiers"]["expert"]["momentum"] == "lowrank"
+  assert f"{default['opt_state_bytes_6p78b'] / 1e9:.3f}" == f"{skewadam['opt_state_bytes'] / 1e9:.3f}"
   assert ppl[:2] == [f"**{_ppl(default)}**", _ppl(by_name["adamw", "adam"])]
   text = " ".join(README.split())
   muon, adam = by_name["muon", "adam"], by_name["skewadam", "adam"]
-  normalized = by_name["skewadam", "normalized_orthogonal"]
+  normalized, signs = by_name["skewadam", "normalized_orthogonal"], by_name["skewadam", "orthogonal"]
+  assert signs["config"]["expert_m"] == "sign"
+  safe_signs = json.loads((RESULTS / "safe-defaults-1600.json").read_text())[0]
   assert f"reached {_ppl(muon)} with {muon['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text
   assert f"(Adam's direction) {_ppl(adam)} with {adam['opt_state_bytes_6p78b'] / 1e9:.3f} GB" in text
   assert (f"orthogonal tiers {_ppl(normalized)} with "
           f"{normalized['opt_state_bytes_6p78b'] / 1e9:.3f} GB") in text
+  assert (f"the default before rank 16, {_ppl(signs)} with "
+          f"{signs['opt_state_bytes_6p78b'] / 1e9:.3f} GB ({_ppl(safe_signs)} on 0.3.0's") in text
   gap = default["val_ppl_mean"] - muon["val_ppl_mean"]
-  assert f"the default trails Muon by {gap:.2f}" in text
+  assert f"the default ties Muon**, {gap:.2f} above its mean" in text
+  assert gap < min(default["val_ppl_std"], muon["val_ppl_std"])  # "within either spread"
   assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
   assert f"Adam's direction in every tier, {_ppl(adam)} at" in text

@@ -183,11 +183,22 @@ PLANS = RESULTS.with_name("memory")
 
 def test_the_training_commands_default_is_the_long_comparisons_choice():
   # The stated rule: the best perplexity at the long horizon within 1.29 GB at
-  # moe-6.78b whose standard train step fits the A100-40GB target.
-  choice = comparison.choose_default(json.loads(LONG.read_text()),
-                                     reports=comparison.load_reports(PLANS))
-  assert choice is not None
-  assert choice["config"] == sweeps.without_safety(sweeps.default_config())
+  # moe-6.78b whose standard train step fits the A100-40GB target. On the long
+  # comparison's rows it chose the orthogonal tiers with packed-sign expert momentum ...
+  long = json.loads(LONG.read_text())
+  reports = comparison.load_reports(PLANS)
+  signs = comparison.choose_default(long, reports=reports)
+  assert signs is not None and signs["config"]["expert_m"] == "sign"
+  assert signs["config"] == sweeps.without_safety(
+      sweeps.resolve_entry("skewadam", {"expert_m": "sign"}))
+  # ... and on the 1600-step rows as they stand on 0.3.0's defaults (that row re-run
+  # on them, the expert momentum's rows beside it) it chooses rank 16: the default.
+  safe_signs = json.loads(RESULTS.with_name("safe-defaults-1600.json").read_text())
+  expert_rows = json.loads(RESULTS.with_name("expert-momentum.json").read_text()).values()
+  rows = [r for r in long if r is not signs] + safe_signs + list(expert_rows)
+  choice = comparison.choose_default(rows, reports=reports)
+  assert choice is not None and choice["config"] == sweeps.default_config()
+  assert choice["val_ppl_mean"] + choice["val_ppl_std"] < safe_signs[0]["val_ppl_mean"]
   assert optimizers.default_lr("skewadam", comparison.row_tiers(choice)) == pytest.approx(choice["lr"])
 
 
@@ -265,13 +276,19 @@ def test_the_attribution_keys_appear_only_when_set_and_reach_the_tiers():
 
 def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
   config = comparison.TrainConfig(preset="tiny", steps=3)
-  saved = json.loads(json.dumps(comparison.dataclasses.asdict(config)))
+  saved = json.loads(json.dumps(config.as_dict()))  # as a run saves it
   del saved["schedule"], saved["decay_fraction"]  # fields added later, at their defaults
   (tmp_path / "summary.json").write_text(json.dumps(
       {"config": saved, "completed": True, "val_ppl": 10.0}))
   assert sweeps.finished_summary(tmp_path, config)["val_ppl"] == 10.0
   assert sweeps.finished_summary(tmp_path, comparison.dataclasses.replace(
       config, schedule="wsd")) is None
+  # A run saved before rank 16 (expert momentum None: the signs) is not the default's.
+  (tmp_path / "summary.json").write_text(json.dumps(
+      {"config": {**saved, "expert_momentum": None}, "completed": True, "val_ppl": 10.0}))
+  assert sweeps.finished_summary(tmp_path, config) is None
+  assert sweeps.finished_summary(tmp_path, comparison.dataclasses.replace(
+      config, expert_momentum="sign"))["val_ppl"] == 10.0
 
 
 def test_longer_horizon_is_set_beside_the_shorter_one(tmp_path):
