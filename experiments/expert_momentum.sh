@@ -54,7 +54,7 @@ done
 import json, pathlib, statistics
 from experiments.studies import comparison, sweeps
 runs = pathlib.Path("experiments/results/expert-momentum-runs")
-summary = {}
+summary = []
 rows = {r["optimizer"] if r["config"] == "default" else r["config"].get("backbone_dir", "adam"): r
         for r in json.loads(pathlib.Path("experiments/results/compare-long.json").read_text())}
 for rank in (16, 20):
@@ -71,12 +71,12 @@ for rank in (16, 20):
   tiers = {"expert": {"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": rank},
            "backbone": {"direction": "orthogonal"}}
   # A comparison row (experiments.compare's form), so the rule can weigh it.
-  summary[name] = {"optimizer": "skewadam", "lr": 0.0135, "seeds": list(range(len(ppl))),
+  summary.append({"name": name, "optimizer": "skewadam", "lr": 0.0135, "seeds": list(range(len(ppl))),
                    "config": sweeps.resolve_entry("skewadam", {"expert_m": "lowrank",
                                                                "expert_rank": rank}),
                    "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl),
                    "val_ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                   "opt_state_bytes_6p78b": comparison.state_bytes_6p78b("skewadam", tiers)}
+                   "opt_state_bytes_6p78b": comparison.state_bytes_6p78b("skewadam", tiers)})
 print(f"\nIn `compare-long.json`, Muon {rows['muon']['val_ppl_mean']:.2f} ± "
       f"{rows['muon']['val_ppl_std']:.2f}, the orthogonal tiers with packed-sign expert momentum "
       f"(the default before rank 16, before 0.3.0's safe defaults) "

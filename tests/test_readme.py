@@ -83,7 +83,8 @@ def test_the_figures_at_a_glance_are_the_results_files():
               if isinstance(r["config"], dict) else "adam"): r for r in long}
   # The default's row: rank-16 expert momentum on 0.3.0's defaults (expert_momentum.sh),
   # priced as the planner prices the default's step.
-  default = json.loads((RESULTS / "expert-momentum.json").read_text())["lowrank-16"]
+  default = next(r for r in json.loads((RESULTS / "expert-momentum.json").read_text())
+                 if r["name"] == "lowrank-16")
   assert len(default["val_ppl"]) == 3
   assert skewadam["skewadam_tiers"]["expert"]["momentum"] == "lowrank"
   assert f"{default['opt_state_bytes_6p78b'] / 1e9:.3f}" == f"{skewadam['opt_state_bytes'] / 1e9:.3f}"

@@ -194,8 +194,8 @@ def test_the_training_commands_default_is_the_long_comparisons_choice():
   # ... and on the 1600-step rows as they stand on 0.3.0's defaults (that row re-run
   # on them, the expert momentum's rows beside it) it chooses rank 16: the default.
   safe_signs = json.loads(RESULTS.with_name("safe-defaults-1600.json").read_text())
-  expert_rows = json.loads(RESULTS.with_name("expert-momentum.json").read_text()).values()
-  rows = [r for r in long if r is not signs] + safe_signs + list(expert_rows)
+  expert_rows = json.loads(RESULTS.with_name("expert-momentum.json").read_text())
+  rows = [r for r in long if r is not signs] + safe_signs + expert_rows
   choice = comparison.choose_default(rows, reports=reports)
   assert choice is not None and choice["config"] == sweeps.default_config()
   assert choice["val_ppl_mean"] + choice["val_ppl_std"] < safe_signs[0]["val_ppl_mean"]
@@ -376,7 +376,7 @@ def test_the_first_rates_file_that_has_a_row_wins(seen, tmp_path):
 
 
 def test_a_config_files_model_is_the_comparisons_model(seen, tmp_path):
-  shipped = comparison.TUNED_RATES.parents[1] / "configs" / "small-x5.toml"
+  shipped = RESULTS.parents[1] / "configs" / "small-x5.toml"
   assert compare.main(["--optimizers", "adamw", "--config", str(shipped)]) == 0
   model = seen["base"].model_config()
   assert (model.num_layers, model.d_model, model.d_ff, model.num_experts) == (6, 256, 512, 8)
