@@ -55,6 +55,14 @@ def gather_axis(x, axis: int):
   return jax.sharding.reshard(x, PartitionSpec(*(spec[:axis] + (None,) + spec[axis + 1:])))
 
 
+def replicated(x):
+  """``x`` with every axis replicated (a no-op unless it is explicitly sharded)."""
+  spec = explicit_spec(x)
+  if spec is None or all(entry is None for entry in spec):
+    return x
+  return jax.sharding.reshard(x, PartitionSpec())
+
+
 def take(x, axis: int, start: int, stop: int):
   """``x`` restricted to ``start:stop`` along ``axis`` (gathered first if sharded)."""
   if (start, stop) == (0, x.shape[axis]):

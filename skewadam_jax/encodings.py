@@ -318,8 +318,14 @@ class _MatrixView(NamedTuple):
                tuple(shape[a] for a in rows), tuple(shape[a] for a in cols))
 
   def to_matrix(self, x: jax.Array) -> jax.Array:
-    """A leaf-shaped array (or a factor in its stored layout) as ``[..., R', C']``."""
+    """A leaf-shaped array (or a factor in its stored layout) as ``[..., R', C']``.
+
+    Under explicit sharding the row and column axes are gathered first (the
+    flattening and the QR need them whole); the batch axes keep their shards.
+    """
     split = len(self.batch) + len(self.rows)
+    for axis in self.order[len(self.batch):]:
+      x = _explicit.gather_axis(x, axis)
     x = jnp.transpose(x, self.order)
     return x.reshape(x.shape[:len(self.batch)] + (math.prod(x.shape[len(self.batch):split]),
                                                    math.prod(x.shape[split:])))
@@ -349,9 +355,10 @@ class LowRankEncoding(MomentumEncoding):
   order with its column axes shortened (the last to ``r``, the others to 1),
   ``Qᵀ`` with its row axes shortened the same way, so each factor shards as
   its parameter does along every axis it keeps
-  (:func:`~skewadam_jax.state_shardings`). Explicit sharding (sharding in
-  types) of its QR is not supported. The factors are unique only up to a
-  rotation: compare two states by their product.
+  (:func:`~skewadam_jax.state_shardings`). Under explicit sharding (sharding
+  in types) each matrix's row and column axes are gathered for the QR, and the
+  factors keep only the batch axes' (layer, expert) shards. The factors are
+  unique only up to a rotation: compare two states by their product.
   """
   rank: int = 16
   name = "lowrank"
@@ -361,13 +368,18 @@ class LowRankEncoding(MomentumEncoding):
     view = _MatrixView.of(m.shape, axes)
     m = view.to_matrix(m.astype(jnp.float32))  # [..., R, C]
     r = min(self.rank, m.shape[-2], m.shape[-1])
-    start = jax.random.normal(jax.random.key(0), m.shape[:-2] + (m.shape[-1], r), jnp.float32)
+    start = _explicit.like(  # sharded as m's batch axes
+        jax.random.normal(jax.random.key(0), m.shape[:-2] + (m.shape[-1], r), jnp.float32), m)
     if previous is None:
       q = start
     else:
-      q = jnp.swapaxes(view.to_matrix(previous["mu_col"]), -1, -2)  # stored as Qᵀ
-      q = jnp.where(jnp.any(q != 0, axis=(-2, -1), keepdims=True), q, start)
-    p, _ = jnp.linalg.qr(m @ q)
+      q = _explicit.like(jnp.swapaxes(view.to_matrix(previous["mu_col"]), -1, -2), m)  # stored as Qᵀ
+      started = _explicit.like(jnp.any(q != 0, axis=(-2, -1), keepdims=True), q)
+      q = jnp.where(started, q, start)
+    # XLA's batched QR has no sharding rule for explicit mesh axes: it runs on the
+    # gathered R × r products (r columns a matrix, small beside the momentum).
+    mq = m @ q
+    p = _explicit.like(jnp.linalg.qr(_explicit.replicated(mq))[0], mq)
     q_t = jnp.swapaxes(p, -1, -2) @ m  # Qᵀ = Pᵀ·m, [..., r, C]
     shortened = lambda sizes: (1,) * (len(sizes) - 1) + (r,)  # noqa: E731
     return {"mu_row": view.from_matrix(p, view.rows, shortened(view.cols)),

@@ -5,7 +5,8 @@ is fixed when JAX starts (``XLA_FLAGS=--xla_force_host_platform_device_count=8``
 and the pytest process already started JAX with one device. It reads the
 configuration table as JSON from its first argument or stdin (a list of ``{"id", "momentum",
 "second_moment", "int8_block_size", "dtype"}``; ``momentum`` null for the
-library's default tiers), and prints one JSON object: config id -> result.
+library's default tiers; ``{"id", "alias": "orthogonal", "dtype"}`` for
+``skewadam_orthogonal``'s), and prints one JSON object: config id -> result.
 
 For every configuration, under ``jax.make_mesh((8,), ("x",),
 axis_types=(Explicit,))``, it records ``jax.typeof`` (shape, dtype, weak type
@@ -54,6 +55,12 @@ def _is_entry(x):
 
 def make_tx(entry):
   lr, wd = 1e-2, 0.1
+  if entry.get("alias") == "orthogonal":  # skewadam_orthogonal's defaults (lowrank experts)
+    # The expert bank only: Newton-Schulz of a matrix sharded along its own rows or
+    # columns is not supported under explicit axes (its Gram product's sharding).
+    experts_only = {"w": False, "norm": False, "w_rep": False,
+                    "moe": {"router": False, "experts": True}}
+    return skewadam_jax.skewadam_orthogonal(lr, orthogonal_mask=experts_only)
   if entry["momentum"] is None:
     return skewadam_jax.skewadam(lr, weight_decay=wd)
   tier = skewadam_jax.TierConfig(entry["momentum"], entry["second_moment"],

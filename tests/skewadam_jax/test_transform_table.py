@@ -86,12 +86,14 @@ class Config:
 
 DTYPES = ("float32", "bfloat16")
 # lowrank is tested on its own (test_encodings.py): its factors are unique only up
-# to a rotation, so two programs' states compare by their product, and explicit
-# sharding of its QR is not supported.
+# to a rotation, so two programs' states compare by their product; its explicit
+# sharding is the orthogonal default's row of the sharding worker (ORTHOGONAL).
 CONFIGS = [Config(m, s, d) for d in DTYPES for m in sa.ENCODINGS if m != "lowrank"
            for s in ("exact", "factored") if (m, s) != ("sign", "exact")] + [
     Config(None, None, d) for d in DTYPES]
 table = pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
+# skewadam_orthogonal's defaults (rank-16 expert momentum), for the sharding worker only.
+ORTHOGONAL = {"id": "orthogonal-default", "alias": "orthogonal", "dtype": "float32"}
 
 # A backbone matrix and vector, a router, and a 3-D expert bank under "experts"
 # (labelled by the default labeller: moe/router -> router, moe/experts -> expert).
@@ -524,7 +526,7 @@ def _sharding_worker(request):
     yield None
     return
   proc = subprocess.Popen(
-      [sys.executable, str(WORKER), json.dumps([c.as_json() for c in CONFIGS])],
+      [sys.executable, str(WORKER), json.dumps([c.as_json() for c in CONFIGS] + [ORTHOGONAL])],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_subprocess.environment(devices=8), cwd=ROOT, text=True)
   yield proc
   if proc.poll() is None:
@@ -547,7 +549,16 @@ def sharding_results(_sharding_worker):
 
 @table
 def test_explicit_sharding_types_are_stable(cfg, sharding_results):
-  result = sharding_results[cfg.id]
+  _assert_stable_types(sharding_results[cfg.id])
+
+
+def test_explicit_sharding_types_are_stable_for_the_orthogonal_default(sharding_results):
+  # Newton-Schulz and the lowrank expert momentum's QR on an expert bank sharded on its
+  # expert axis, a matrix sharded on its columns, a router on its rows.
+  _assert_stable_types(sharding_results[ORTHOGONAL["id"]])
+
+
+def _assert_stable_types(result):
   errors = {k: v for k, v in result.items() if k.endswith("error")}
   assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
   stages = result["stages"]
