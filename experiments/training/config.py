@@ -581,7 +581,7 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
     ...             library_directions=False)
     {'expert_momentum': 'int8', 'router_second_moment': 'exact'}
     >>> tier_fields({"expert": {"direction": "orthogonal"}})
-    {'backbone_direction': 'adam', 'expert_direction': 'orthogonal'}
+    {'backbone_direction': 'adam', 'expert_direction': 'orthogonal', 'expert_momentum': 'sign'}
   """
   fields = ({f"{tier}_direction": optimizers.LIBRARY_DIRECTION for tier in ("backbone", "expert")}
             if library_directions else {})
@@ -604,6 +604,11 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
         raise ValueError(f"SkewAdam tier setting {tier}.{key} has no training flag; "
                          f"the flags are {', '.join(TIER_FIELDS)}")
       fields[name] = value
+  if (library_directions and "expert_momentum" not in fields
+      and expert_momentum_default(fields.get("expert_direction")) is not None):
+    # The library's expert momentum, which the training command's default for an
+    # orthogonal expert direction is not.
+    fields["expert_momentum"] = skewadam_jax.DEFAULT_EXPERT.momentum
   return fields
 
 

@@ -83,7 +83,7 @@ def test_flipped_byte_is_caught_by_the_checksum(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"expect": {"preset": "small"}}, "has preset='tiny' but this run has preset='small'"),
     ({"expect": {"expert_momentum": "int8"}},
-     "has expert_momentum=None but this run has expert_momentum='int8'"),
+     "has expert_momentum='sign' but this run has expert_momentum='int8'"),
     ({"expect_meta": {"data_fingerprint": "bbbb"}},
      "has data_fingerprint='aaaa' but this run has data_fingerprint='bbbb'"),
     ({"like": {"w": jnp.zeros((3, 6)), "count": jnp.zeros((), jnp.int32),

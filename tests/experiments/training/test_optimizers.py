@@ -81,7 +81,8 @@ def test_orthogonal_scale_and_rest_tier_are_training_settings():
                        expert_orthogonal_scale="width", orthogonal_rest_tier="router")
   config.validate()
   tiers = config.skewadam_tiers()
-  assert tiers["expert"] == {"direction": "orthogonal", "orthogonal_scale": "width"}
+  assert tiers["expert"] == {"direction": "orthogonal", "orthogonal_scale": "width",
+                            "momentum": "lowrank"}
   assert tiers[optimizers.REST_TIER] == "router"
   assert optimizers.REST_TIER not in optimizers.tier_configs(tiers)
   from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -102,8 +103,9 @@ def test_skewadam_orthogonal_is_the_training_commands_orthogonal_row():
   params = nnx.as_pure(nnx.split(model, nnx.Param, ...)[1])
   axes = models.logical_axes(nnx.split(model, nnx.Param, ...)[1])
   lr = 1e-2
+  command = TrainConfig(backbone_direction="orthogonal", expert_direction="orthogonal")
   train = optimizers.make_optimizer("skewadam", learning_rate=lr, axes=axes,
-                                    skewadam_tiers=ORTHOGONAL)
+                                    skewadam_tiers=command.skewadam_tiers())
   declared = optimizers.skewadam_axes(axes)
   alias = skewadam_jax.skewadam_orthogonal(  # its default decay mask: the declared matrices
       lr, param_labels=declared["param_labels"], matrix_axes=declared["matrix_axes"])
