@@ -97,7 +97,8 @@ def test_command_prints_one_json_object(capsys, tmp_path):
   (tmp_path / "r.json").write_text(json.dumps(report))
   assert memory.main(["--table", str(tmp_path / "r.json")]) == 0
   table = capsys.readouterr().out.strip().splitlines()
-  assert len(table) == 3 and table[2].startswith("| skewadam | expert: orthogonal, backbone: orthogonal |")
+  assert len(table) == 3 and table[2].startswith(
+      "| skewadam | expert: lowrank/orthogonal, backbone: orthogonal |")
 
 
 def test_bad_arguments_fail_with_one_line(capsys):
@@ -123,10 +124,11 @@ def test_tier_flags_become_skewadam_tier_configs():
   assert config_lib.tiers_from_args(args) == {
       "expert": {"momentum": "int8", "direction": "orthogonal"},
       "backbone": {"momentum": "fp32", "second_moment": "exact", "direction": "orthogonal"}}
-  # The training command's default direction is the orthogonal one; Adam's,
-  # the library's, is left out of the tiers.
+  # The training command's default direction is the orthogonal one, with rank-16
+  # expert momentum; Adam's direction, the library's, is left out of the tiers.
   args = memory.build_parser().parse_args(["--backbone-direction", "adam"])
-  assert config_lib.tiers_from_args(args) == {"expert": {"direction": "orthogonal"}}
+  assert config_lib.tiers_from_args(args) == {
+      "expert": {"direction": "orthogonal", "momentum": "lowrank"}}
 
 
 # --------------------------------------------------------------------------
