@@ -359,8 +359,14 @@ class LowRankEncoding(MomentumEncoding):
   in types) each matrix's row and column axes are gathered for the QR, and the
   factors keep only the batch axes' (layer, expert) shards. The factors are
   unique only up to a rotation: compare two states by their product.
+
+  ``stacked``: how many leading axes stack separate leaves (leaves of one
+  plan stepped as a group, ``scale_by_skewadam(group_leaves=True)``): the
+  starting ``Q`` is drawn once for the rest of the shape and shared along
+  them, so each leaf of a group starts as it does stepped alone.
   """
   rank: int = 16
+  stacked: int = 0
   name = "lowrank"
   matrix_only = True
 
@@ -368,8 +374,9 @@ class LowRankEncoding(MomentumEncoding):
     view = _MatrixView.of(m.shape, axes)
     m = view.to_matrix(m.astype(jnp.float32))  # [..., R, C]
     r = min(self.rank, m.shape[-2], m.shape[-1])
-    start = _explicit.like(  # sharded as m's batch axes
-        jax.random.normal(jax.random.key(0), m.shape[:-2] + (m.shape[-1], r), jnp.float32), m)
+    shape = m.shape[:-2] + (m.shape[-1], r)
+    start = _explicit.like(jnp.broadcast_to(  # sharded as m's batch axes
+        jax.random.normal(jax.random.key(0), shape[self.stacked:], jnp.float32), shape), m)
     if previous is None:
       q = start
     else:

@@ -838,7 +838,10 @@ def _stacked_plan(plan: LeafPlan) -> LeafPlan:
     return plan
   shift = lambda side: side + 1 if isinstance(side, int) else tuple(a + 1 for a in side)  # noqa: E731
   axes = plan.axes
-  return plan._replace(axes=axes_lib.MatrixAxes(
+  encoding = plan.encoding
+  if isinstance(encoding, encodings.LowRankEncoding):  # each leaf's own starting subspace
+    encoding = dataclasses.replace(encoding, stacked=encoding.stacked + 1)
+  return plan._replace(encoding=encoding, axes=axes_lib.MatrixAxes(
       shift(axes.rows), shift(axes.cols), None if axes.layer is None else axes.layer + 1))
 
 
