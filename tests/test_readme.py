@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from experiments.studies import sweeps
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -106,6 +108,15 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
   assert f"Adam's direction in every tier, {_ppl(adam)} at" in text
+  x5_rows = json.loads((RESULTS / "compare-x5.json").read_text())
+  x5 = {r["optimizer"]: r["val_ppl_mean"] for r in x5_rows if r["config"] == "default"}
+  x5_signs = next(r for r in x5_rows if isinstance(r["config"], dict)
+                  and r["config"].get("backbone_dir") == "orthogonal")
+  assert x5_signs["config"]["expert_m"] == "sign"
+  x5_default = json.loads((RESULTS / "x5-safe-defaults.json").read_text())[0]
+  assert x5_default["config"] == sweeps.default_config()
+  assert (f"the default reaches {x5_default['val_ppl_mean']:.2f}, Muon {x5['muon']:.2f}, "
+          f"the sign momentum {x5_signs['val_ppl_mean']:.2f}, AdamW {x5['adamw']:.2f}") in text
   times = json.loads((RESULTS / "bench-runs" / "compile-time.json").read_text())["rows"]
   total = {name: r["trace_s"] + r["compile_s"] for name, r in times.items()}
   ratio = lambda rows, name: f"{rows[name]['total_ratio_to_adamw']:.2f}×"  # noqa: E731
