@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The memory planner's figures of the training command's default (the orthogonal tiers
-# with rank-16 expert momentum, Newton–Schulz in chunks: TierConfig.orthogonal_chunk="auto"), re-planned whenever the
-# default's step changes. Deviceless compiles on this CPU machine; the GPU rows need the
+# with rank-16 expert momentum, Newton–Schulz in chunks: TierConfig.orthogonal_chunk="auto"),
+# re-planned whenever the default's step changes. Deviceless compiles on this CPU machine; the GPU rows need the
 # gpu-compile extra, the TPU rows the tpu-compile extra. About an hour on 2 cores.
 # Usage: bash experiments/plan_defaults.sh [NAME ...]   (default: every row)
 set -euo pipefail
