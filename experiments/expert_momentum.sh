@@ -68,15 +68,13 @@ for rank in (16, 20):
   else:
     print(f"\n`{name}` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f} ± "
           f"{statistics.stdev(ppl):.2f} (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
-  tiers = {"expert": {"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": rank},
-           "backbone": {"direction": "orthogonal"}}
   # A comparison row (experiments.compare's form), so the rule can weigh it.
-  summary.append({"name": name, "optimizer": "skewadam", "lr": 0.0135, "seeds": list(range(len(ppl))),
-                   "config": sweeps.resolve_entry("skewadam", {"expert_m": "lowrank",
-                                                               "expert_rank": rank}),
-                   "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl),
-                   "val_ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                   "opt_state_bytes_6p78b": comparison.state_bytes_6p78b("skewadam", tiers)})
+  row = {"name": name, "optimizer": "skewadam", "lr": 0.0135, "seeds": list(range(len(ppl))),
+         "config": sweeps.resolve_entry("skewadam", {"expert_m": "lowrank", "expert_rank": rank}),
+         "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl),
+         "val_ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0}
+  row["opt_state_bytes_6p78b"] = comparison.state_bytes_6p78b("skewadam", comparison.row_tiers(row))
+  summary.append(row)
 print(f"\nIn `compare-long.json`, Muon {rows['muon']['val_ppl_mean']:.2f} ± "
       f"{rows['muon']['val_ppl_std']:.2f}, the orthogonal tiers with packed-sign expert momentum "
       f"(the default before rank 16, before 0.3.0's safe defaults) "
