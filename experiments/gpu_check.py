@@ -7,9 +7,20 @@ Caps JAX's memory pool at ``--cap-gb`` (default 40: the A100-40GB's budget) of
 the GPU through ``XLA_PYTHON_CLIENT_MEM_FRACTION``, builds the preset with bf16
 parameters directly on the device, runs ``--steps`` donated train steps (the
 training command's ``train_step``) with SkewAdam on random tokens, and reports
-the measured peak (``device.memory_stats()["peak_bytes_in_use"]``) and step
-times. Then it tries the same with AdamW (fp32 moments) and reports the
-out-of-memory error XLA raises. One JSON line per phase, on stdout.
+the measured peak (``device.memory_stats()["peak_bytes_in_use"]``) beside
+what XLA's memory analysis of the same compiled step says (the planner's
+estimate, ``xla["peak"]``, here from the device's own compiler), the compile
+time, the step times, and the model FLOPs utilisation
+
+    MFU = useful FLOPs / (median step time · peak bf16 FLOP/s)
+
+with :func:`experiments.planning.planner.useful_flops` (``6 · N_active · tokens``
+plus causal attention) and the vendor's dense bf16 peak for the device
+(:data:`PEAK_BF16_FLOPS`, or ``--peak-tflops``); ``hardware_flops_utilisation``
+counts every matrix multiply the step runs instead (recomputation and the
+optimizer's Newton–Schulz products too). Then it tries the same with AdamW (fp32
+moments) and reports the out-of-memory error XLA raises. One JSON line per
+phase, on stdout (and appended to ``--out``).
 ``--update-in-backward [--clip-mode exact|stale]`` runs the step that updates
 each layer inside the backward pass (``skewadam_jax.layerwise``).
 """
@@ -19,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +38,16 @@ from typing import Sequence
 
 import experiments
 from experiments.training import flags
+
+# Dense bf16 matrix FLOP/s by the vendors' datasheets (no sparsity), keyed by a
+# substring of ``jax.Device.device_kind``; the first match wins.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H200", 989.4e12), ("H100", 989.4e12),
+                   ("A100", 312e12), ("L4", 121e12))
+
+
+def peak_bf16_flops(device_kind: str) -> float | None:
+  """The datasheet's dense bf16 FLOP/s of ``device_kind``, or ``None`` if unknown."""
+  return next((peak for name, peak in PEAK_BF16_FLOPS if name in device_kind), None)
 
 
 def _total_gpu_bytes() -> int | None:
@@ -38,18 +60,29 @@ def _total_gpu_bytes() -> int | None:
 
 
 def _cap_memory(cap_gb: float) -> dict:
-  """Sets the memory fraction before JAX starts; returns what was set."""
+  """Sets the memory fraction before JAX starts; returns what was set.
+
+  No cap (``cap_gb=0``) means 95 % of the card, not JAX's default 75 %, which
+  would cap a step that fits the card.
+  """
   total = _total_gpu_bytes()
-  if not cap_gb or total is None:
+  if total is None:
     return {"cap_bytes": None, "gpu_total_bytes": total}
-  fraction = min(0.99, cap_gb * 1e9 / total)
+  fraction = min(0.99, cap_gb * 1e9 / total) if cap_gb else 0.95
   os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"
-  return {"cap_bytes": int(cap_gb * 1e9), "gpu_total_bytes": total, "mem_fraction": fraction}
+  return {"cap_bytes": int(fraction * total), "gpu_total_bytes": total, "mem_fraction": fraction}
 
 
 def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps: int,
-              update_in_backward: bool = False, clip_mode: str = "exact") -> dict:
-  """Builds the model and optimizer on the device and runs ``steps`` train steps."""
+              update_in_backward: bool = False, clip_mode: str = "exact",
+              peak_flops: float | None = None) -> dict:
+  """Builds the model and optimizer on the device and runs ``steps`` train steps.
+
+  Returns the phase's JSON record: ``status`` (``ok``, ``out_of_memory`` or
+  ``error``), the measured ``peak_bytes_in_use``, XLA's analysis of the compiled
+  step (``xla``), ``compile_seconds``, ``step_seconds`` and, with a known peak
+  FLOP/s, ``mfu``.
+  """
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -59,8 +92,10 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   from experiments.training import steps as steps_lib
 
   device = jax.devices()[0]
+  peak_flops = peak_flops or peak_bf16_flops(device.device_kind)
   result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device),
-            "update_in_backward": update_in_backward}
+            "device_kind": device.device_kind, "jax": jax.__version__,
+            "update_in_backward": update_in_backward, "peak_flops": peak_flops}
   config = models.get_preset(preset, param_dtype=jnp.bfloat16)
   seq = seq or config.max_seq_len
   result["seq"] = seq
@@ -81,16 +116,35 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     train_step = built.train_step
     if update_in_backward:
       result["clip_mode"] = clip_mode
-    step = jax.jit(train_step, donate_argnums=(0, 1))
     key = jax.random.PRNGKey(0)
+    def tokens_at(i):
+      tokens = jax.random.randint(jax.random.fold_in(key, i), (batch, seq + 1), 0,
+                                  config.vocab_size)
+      return tokens[:, :-1], tokens[:, 1:]
+    result["useful_flops"] = planner.useful_flops(config, batch, seq)
+    result["matmul_flops"] = planner.matmul_flops(train_step, params, opt_state, *tokens_at(0))
+    t0 = time.perf_counter()
+    step = jax.jit(train_step, donate_argnums=(0, 1)).lower(
+        params, opt_state, *tokens_at(0)).compile()
+    result["compile_seconds"] = time.perf_counter() - t0
+    result["xla"] = planner.memory_analysis(step)
     times = []
     for i in range(steps):
-      tokens = jax.random.randint(jax.random.fold_in(key, i), (batch, seq + 1), 0, config.vocab_size)
+      inputs, targets = tokens_at(i)
+      jax.block_until_ready(inputs)
       t0 = time.perf_counter()
-      params, opt_state, metrics = step(params, opt_state, tokens[:, :-1], tokens[:, 1:])
-      loss = float(metrics["loss"])
+      params, opt_state, metrics = step(params, opt_state, inputs, targets)
+      loss = float(metrics["loss"])  # waits for the step
       times.append(time.perf_counter() - t0)
     result.update(status="ok", loss=loss, step_seconds=times)
+    # The first step pays one-off costs (autotuning, allocation): left out
+    # of the median when there are later ones.
+    median = statistics.median(times[1:] or times)
+    result["median_step_seconds"] = median
+    result["tokens_per_second"] = batch * seq / median
+    if peak_flops:
+      result["mfu"] = result["useful_flops"] / median / peak_flops
+      result["hardware_flops_utilisation"] = result["matmul_flops"] / median / peak_flops
   except Exception as err:  # pylint: disable=broad-except
     message = str(err)
     result.update(status="out_of_memory" if "RESOURCE_EXHAUSTED" in message or
@@ -112,11 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--seq-len", "--seq", action=flags.StoreWithDeprecatedAliases,
                       deprecated=("--seq",), type=int, default=None, dest="seq_len")
   parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--cap-gb", type=float, default=40.0, help="0: no cap")
+  parser.add_argument("--cap-gb", type=float, default=40.0,
+                      help="the memory pool's size in GB (0: 95%% of the card)")
   parser.add_argument("--optimizers", default="skewadam,adamw")
   parser.add_argument("--update-in-backward", action="store_true",
                       help="the step that updates each layer inside the backward pass")
   parser.add_argument("--clip-mode", default="exact", help="exact | stale")
+  parser.add_argument("--peak-tflops", type=float, default=None,
+                      help="the device's dense bf16 peak (default: its datasheet's, if known)")
+  parser.add_argument("--phase-timeout", type=float, default=None,
+                      help="seconds each phase may take before it is stopped")
+  parser.add_argument("--out", default=None, help="also append each phase's JSON line here")
   parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
   return parser
 
@@ -128,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cap = _cap_memory(args.cap_gb)
     result = run_phase(args.preset, args.phase, batch=args.batch_size, seq=args.seq_len,
                        steps=args.steps,
-                       update_in_backward=args.update_in_backward, clip_mode=args.clip_mode)
+                       update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
+                       peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
     print(json.dumps({**cap, **result}), flush=True)
     return 0
   # Each optimizer in its own process, so the peak and an OOM of one phase do
@@ -141,11 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
       cmd += ["--seq-len", str(args.seq_len)]
     if args.update_in_backward:
       cmd += ["--update-in-backward", "--clip-mode", args.clip_mode]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-    print(lines[-1] if lines else json.dumps(
-        {"optimizer": name, "status": "crashed", "returncode": out.returncode,
-         "stderr_tail": out.stderr[-800:]}), flush=True)
+    if args.peak_tflops:
+      cmd += ["--peak-tflops", str(args.peak_tflops)]
+    try:
+      out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                           timeout=args.phase_timeout)
+      lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+      line = lines[-1] if lines else json.dumps(
+          {"preset": args.preset, "optimizer": name, "batch": args.batch_size,
+           "status": "crashed", "returncode": out.returncode, "stderr_tail": out.stderr[-800:]})
+    except subprocess.TimeoutExpired:
+      line = json.dumps({"preset": args.preset, "optimizer": name, "batch": args.batch_size,
+                         "status": "timed_out", "phase_timeout": args.phase_timeout})
+    print(line, flush=True)
+    if args.out:
+      with open(args.out, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
   return 0
 
 

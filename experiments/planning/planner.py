@@ -388,7 +388,13 @@ def _batch_shards_text(mesh: Mapping[str, int], expert_parallel: bool) -> str:
   return f"data={mesh['data']}"
 
 
-def _analysis(compiled) -> dict:
+def memory_analysis(compiled) -> dict:
+  """XLA's memory analysis of a compiled step, in bytes.
+
+  ``peak = argument + output − alias + temp``: the buffers live while the step
+  runs, donated inputs counted once. This is the planner's estimate; on a real
+  device, :mod:`experiments.gpu_check` sets it beside the allocator's measured peak.
+  """
   analysis = compiled.memory_analysis()
   xla = {"argument": int(analysis.argument_size_in_bytes),
          "output": int(analysis.output_size_in_bytes),
@@ -427,7 +433,7 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
     # report says whether the step fits, so those lines are not passed on.
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
       compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args, **kwargs).compile()
-    return {"xla": _analysis(compiled), "matmul_flops": _step_matmul_flops(train_step, args, kwargs),
+    return {"xla": memory_analysis(compiled), "matmul_flops": _step_matmul_flops(train_step, args, kwargs),
             "device_matmul_flops": hlo.device_matmul_flops(compiled.as_text(),
                                                            model_config.num_layers),
             "warning": warning, "fingerprint": step_fingerprint(compiled)}
@@ -457,7 +463,7 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
             "matmul_flops": flops, "device_matmul_flops": None, "collectives": None,
             "warning": warning, "fingerprint": None}
   text = compiled.as_text()
-  return {"xla": _analysis(compiled), "matmul_flops": flops,
+  return {"xla": memory_analysis(compiled), "matmul_flops": flops,
           "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
           "collectives": hlo.collective_bytes(text, default_trip_count=model_config.num_layers),
           "warning": warning, "fingerprint": step_fingerprint(compiled),

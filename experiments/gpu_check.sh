@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The real-GPU check, every phase in one call, in order of value: on a machine
+# with one NVIDIA GPU (written for an 80-141 GB card; an A100-40GB runs the
+# capped phases as they are).
+#
+#   bash experiments/gpu_check.sh [OUT_DIR]      # default experiments/results/gpu-check
+#
+# OUT_DIR/phases.jsonl gets one line per phase (experiments.gpu_check's
+# record: measured peak, XLA's analysis of the same compiled step, compile and
+# step times, MFU); OUT_DIR/env.json the device and package versions. A tiny
+# step runs first: if it fails, nothing else is tried. Each phase is stopped
+# after PHASE_TIMEOUT seconds (default 240). The memory planner's estimates to
+# compare with are its own files (experiments/results/memory/, and
+# `python -m experiments.memory --target h200 ...` for this card).
+set -u
+out=${1:-experiments/results/gpu-check}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+log=$out/phases.jsonl
+: > "$log"
+# The A100-40GB budget the planner uses (experiments.planning.planner.TARGETS):
+# the capped phases ask whether the step fits that card.
+a100=42.331013120
+
+"$py" - > "$out/env.json" <<'EOF'
+import json, subprocess
+import jax, optax, flax
+try:
+  smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                        "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+except OSError:
+  smi = None
+print(json.dumps({"jax": jax.__version__, "optax": optax.__version__, "flax": flax.__version__,
+                  "devices": [d.device_kind for d in jax.devices()], "nvidia_smi": smi}))
+EOF
+cat "$out/env.json"
+
+phase() { "$py" -m experiments.gpu_check --phase-timeout "${PHASE_TIMEOUT:-240}" --out "$log" "$@"; }
+
+phase --preset tiny --optimizers skewadam --cap-gb 0 --steps 2 --phase-timeout 300
+if ! tail -n 1 "$log" | grep -q '"status": "ok"'; then
+  echo "the tiny step failed: nothing else tried" >&2
+  exit 1
+fi
+# moe-6.78b, 1 x 2048 tokens, in the A100-40GB budget: SkewAdam's default, then AdamW.
+phase --preset moe-6.78b --optimizers skewadam,adamw --cap-gb "$a100" --steps 5
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --update-in-backward
+# moe-47b (Mixtral-8x7B-shaped) on the whole card, update inside the backward pass.
+phase --preset moe-47b --optimizers skewadam --cap-gb 141 --steps 3 --update-in-backward
+# Throughput: the A100-40GB plan's largest batch, and AdamW uncapped for its step time.
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --batch-size 12
+phase --preset moe-6.78b --optimizers adamw --cap-gb 0 --steps 5
+
+"$py" - "$log" <<'EOF'
+import json, sys
+print("| preset | optimizer | batch | in backward | status | peak GB (measured) | XLA's peak GB | compile s | median step s | MFU |")
+for line in open(sys.argv[1]):
+  r = json.loads(line)
+  gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
+  print(f"| {r.get('preset')} | {r.get('optimizer')} | {r.get('batch')} | {r.get('update_in_backward', '-')} "
+        f"| {r.get('status')} | {gb(r.get('peak_bytes_in_use'))} | {gb((r.get('xla') or {}).get('peak'))} "
+        f"| {r.get('compile_seconds', 0):.1f} | {r.get('median_step_seconds', 0):.3f} | {r.get('mfu', 0):.3f} |")
+EOF
