@@ -37,6 +37,7 @@ import time
 from typing import Sequence
 
 import experiments
+from experiments.training import config as config_lib
 from experiments.training import flags
 
 # Dense bf16 matrix FLOP/s by the vendors' datasheets (no sparsity), keyed by a
@@ -73,15 +74,24 @@ def _cap_memory(cap_gb: float) -> dict:
   return {"cap_bytes": int(fraction * total), "gpu_total_bytes": total, "mem_fraction": fraction}
 
 
+def default_tiers() -> dict:
+  """SkewAdam's tiers when no tier flag is given: the training command's default."""
+  return config_lib.tiers_from_args(build_parser().parse_args([]))
+
+
 def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps: int,
               update_in_backward: bool = False, clip_mode: str = "exact",
-              peak_flops: float | None = None) -> dict:
+              skewadam_tiers: dict | None = None, peak_flops: float | None = None) -> dict:
   """Builds the model and optimizer on the device and runs ``steps`` train steps.
 
+  ``skewadam_tiers``: the library's tier arguments (``{}``: ``skewadam()``'s);
+  ``None``, the training command's default (:func:`default_tiers`), the
+  configuration the planner's ``--optimizer skewadam`` plans.
+
   Returns the phase's JSON record: ``status`` (``ok``, ``out_of_memory`` or
-  ``error``), the measured ``peak_bytes_in_use``, XLA's analysis of the compiled
-  step (``xla``), ``compile_seconds``, ``step_seconds`` and, with a known peak
-  FLOP/s, ``mfu``.
+  ``error``), the ``skewadam_tiers`` run, the measured ``peak_bytes_in_use``,
+  XLA's analysis of the compiled step (``xla``), ``compile_seconds``,
+  ``step_seconds`` and, with a known peak FLOP/s, ``mfu``.
   """
   import jax
   import jax.numpy as jnp
@@ -96,6 +106,10 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   result = {"preset": preset, "optimizer": optimizer, "batch": batch, "device": str(device),
             "device_kind": device.device_kind, "jax": jax.__version__,
             "update_in_backward": update_in_backward, "peak_flops": peak_flops}
+  if skewadam_tiers is None:
+    skewadam_tiers = default_tiers()
+  if optimizer == "skewadam":
+    result["skewadam_tiers"] = skewadam_tiers
   config = models.get_preset(preset, param_dtype=jnp.bfloat16)
   seq = seq or config.max_seq_len
   result["seq"] = seq
@@ -108,8 +122,8 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     _, graphdef, _, rest = steps_lib.abstract_model(preset, jnp.bfloat16)
     params = init_params()
     # The step the training command runs, as the planner compiles it.
-    run_config = planner.train_config(preset, optimizer, update_in_backward=update_in_backward,
-                                      clip_mode=clip_mode)
+    run_config = planner.train_config(preset, optimizer, skewadam_tiers=skewadam_tiers,
+                                      update_in_backward=update_in_backward, clip_mode=clip_mode)
     built = steps_lib.build_step(run_config, graphdef, rest, params,
                                  steps_lib.abstract_axes(preset))
     opt_state = jax.jit(built.init)(params)
@@ -128,6 +142,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
         params, opt_state, *tokens_at(0)).compile()
     result["compile_seconds"] = time.perf_counter() - t0
     result["xla"] = planner.memory_analysis(step)
+    result["step_fingerprint"] = planner.step_fingerprint(step)
     times = []
     for i in range(steps):
       inputs, targets = tokens_at(i)
@@ -169,9 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--cap-gb", type=float, default=40.0,
                       help="the memory pool's size in GB (0: 95%% of the card)")
   parser.add_argument("--optimizers", default="skewadam,adamw")
-  parser.add_argument("--update-in-backward", action="store_true",
-                      help="the step that updates each layer inside the backward pass")
-  parser.add_argument("--clip-mode", default="exact", help="exact | stale")
+  # The step's settings, with the training command's flags (and defaults).
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS + ("update_in_backward", "clip_mode"))
   parser.add_argument("--peak-tflops", type=float, default=None,
                       help="the device's dense bf16 peak (default: its datasheet's, if known)")
   parser.add_argument("--phase-timeout", type=float, default=None,
@@ -181,7 +195,66 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _key(record: dict) -> tuple:
+  # Records written before gpu_check saved its tiers (the 2026-12-04 H200 run)
+  # ran planner.train_config without tiers: the library's skewadam().
+  tiers = record.get("skewadam_tiers", {}) if record["optimizer"] == "skewadam" else None
+  return (record["preset"], record["optimizer"], record["batch"],
+          bool(record.get("update_in_backward")), json.dumps(tiers, sort_keys=True))
+
+
+def comparison_table(phases: list[dict], plans: list[dict]) -> str:
+  """Markdown: each measured phase beside the planner's report of the same step.
+
+  The measured peak is the allocator's (``-`` where the step ran out of
+  memory); ``device / planner`` compares XLA's analysis of the step compiled
+  on the device with the planner's deviceless one.
+
+  A plan matches a phase by preset, optimizer, batch, update-in-backward and
+  SkewAdam's tiers; ``same program`` says whether their step fingerprints
+  (:func:`experiments.planning.planner.step_fingerprint`) agree, where the
+  phase recorded one.
+  """
+  by_key = {_key(p): p for p in plans}
+  gb = lambda b: f"{b / 1e9:.3f}" if b else "-"  # noqa: E731
+  rows = ["| preset | optimizer | tiers | batch | update in backward | status | measured peak GB "
+          "| XLA's peak on the device GB | planner's peak GB (target) | device / planner "
+          "| same program | compile s | median step s | tokens/s | MFU |",
+          "|" + "---|" * 15]
+  for r in phases:
+    if r.get("status") in ("crashed", "timed_out") or "xla" not in r:
+      rows.append(f"| {r.get('preset')} | {r.get('optimizer')} | | {r.get('batch')} | | "
+                  f"{r.get('status')} |" + " |" * 9)
+      continue
+    plan = by_key.get(_key(r))
+    measured = r.get("peak_bytes_in_use") if r["status"] == "ok" else None
+    tiers = r.get("skewadam_tiers", {}) if r["optimizer"] == "skewadam" else None
+    tiers_text = "-" if tiers is None else (json.dumps(tiers, sort_keys=True) if tiers
+                                            else "skewadam() (library)")
+    same = ("-" if not plan or "step_fingerprint" not in r
+            else "yes" if r["step_fingerprint"] == plan["step_fingerprint"] else "no")
+    ratio = f"{r['xla']['peak'] / plan['peak_bytes']:.4f}" if plan else "-"
+    planned = f"{gb(plan['peak_bytes'])} ({plan['target']})" if plan else "-"
+    step_s = f"{r['median_step_seconds']:.3f}" if "median_step_seconds" in r else "-"
+    tokens = f"{r['tokens_per_second']:.0f}" if "tokens_per_second" in r else "-"
+    mfu = f"{r['mfu']:.3f}" if "mfu" in r else "-"
+    rows.append(
+        f"| {r['preset']} | {r['optimizer']} | {tiers_text.replace('|', '/')} | {r['batch']} "
+        f"| {'yes' if r.get('update_in_backward') else 'no'} | {r['status']} "
+        f"| {gb(measured)} | {gb(r['xla']['peak'])} "
+        f"| {planned} "
+        f"| {ratio} "
+        f"| {same} | {r['compile_seconds']:.1f} | {step_s} | {tokens} | {mfu} |")
+  return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] == "--table":  # --table PHASES.jsonl PLAN.json ...: no JAX started
+    phases = [json.loads(l) for l in open(argv[1], encoding="utf-8") if l.strip()]
+    plans = [json.load(open(p, encoding="utf-8")) for p in argv[2:]]
+    print(comparison_table(phases, plans))
+    return 0
   experiments.use_cpu_without_gpu()
   args = build_parser().parse_args(argv)
   if args.phase:  # a child process: one optimizer, a fresh memory pool
@@ -189,21 +262,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_phase(args.preset, args.phase, batch=args.batch_size, seq=args.seq_len,
                        steps=args.steps,
                        update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
+                       skewadam_tiers=config_lib.tiers_from_args(args),
                        peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
     print(json.dumps({**cap, **result}), flush=True)
     return 0
   # Each optimizer in its own process, so the peak and an OOM of one phase do
   # not leak into the other.
   for name in args.optimizers.split(","):
-    cmd = [sys.executable, "-m", "experiments.gpu_check", "--phase", name, "--preset", args.preset,
-           "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-           "--cap-gb", str(args.cap_gb)]
-    if args.seq_len:
-      cmd += ["--seq-len", str(args.seq_len)]
-    if args.update_in_backward:
-      cmd += ["--update-in-backward", "--clip-mode", args.clip_mode]
-    if args.peak_tflops:
-      cmd += ["--peak-tflops", str(args.peak_tflops)]
+    # The same flags (the last of a repeated one wins), one optimizer.
+    cmd = [sys.executable, "-m", "experiments.gpu_check", *argv, "--phase", name]
     try:
       out = subprocess.run(cmd, capture_output=True, text=True, check=False,
                            timeout=args.phase_timeout)

@@ -4,6 +4,8 @@
 # re-planned whenever the default's step changes. Deviceless compiles on this CPU machine; the GPU rows need the
 # gpu-compile extra, the TPU rows the tpu-compile extra. About an hour on 2 cores.
 # Usage: bash experiments/plan_defaults.sh [NAME ...]   (default: every row)
+# The planner's side of the real-GPU check (experiments/gpu_check.sh) is
+# experiments/results/gpu-check/plans/, the same command with --target h200 --no-search.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=experiments/results/memory
@@ -11,15 +13,25 @@ PY=${PYTHON:-.venv/bin/python}
 plan() {  # plan NAME ARGS...: one report, experiments/results/memory/NAME.json
   local name=$1; shift
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  local dir=${DIR:-$OUT}
   echo "== $name: python -m experiments.memory $* --json" >&2
-  "$PY" -m experiments.memory "$@" --json > "$OUT/$name.json.tmp"
-  mv "$OUT/$name.json.tmp" "$OUT/$name.json"
+  "$PY" -m experiments.memory "$@" --json > "$dir/$name.json.tmp"
+  mv "$dir/$name.json.tmp" "$dir/$name.json"
 }
 ONLY="$*"
 A100=(--preset moe-6.78b --optimizer skewadam --target a100-40gb --batch-size 1 --seq-len 2048)
 plan skewadam "${A100[@]}"
 plan skewadam-update-in-backward "${A100[@]}" --update-in-backward
 plan skewadam-update-in-backward-24gb "${A100[@]}" --update-in-backward --device-memory-gb 24
+# The library's skewadam() (Adam's direction in both tiers, with the library's own defaults),
+# and SkewAdam's reference row (Adam's backbone): re-planned whenever the library's step changes.
+ADAM=(--backbone-direction adam --expert-direction adam)
+plan skewadam-adam "${A100[@]}" "${ADAM[@]}"
+plan skewadam-adam-update-in-backward "${A100[@]}" "${ADAM[@]}" --update-in-backward
+plan skewadam-adam-update-in-backward-24gb "${A100[@]}" "${ADAM[@]}" --update-in-backward \
+  --device-memory-gb 24
+plan skewadam-reference "${A100[@]}" "${ADAM[@]}" --backbone-momentum fp32 \
+  --backbone-second-moment exact
 # The normalized row and the whole-bank schedule as they were measured: packed-sign
 # expert momentum (the default's expert momentum before rank 16).
 NORMALIZED=(--backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal
@@ -44,3 +56,24 @@ plan moe-6.78b-tpu-v6e-skewadam-orthogonal-update-in-backward "${V6E[@]}" --upda
 # (moe-6.78b's is skewadam-update-in-backward-whole-bank.json, planned at commit b08a297).
 plan moe-47b-h200-skewadam-orthogonal-whole-bank-update-in-backward "${H200[@]}" \
   --update-in-backward --orthogonal-chunk all --no-search --expert-momentum sign
+# The planner's side of the real-GPU check (experiments/gpu_check.sh): the phases' steps for
+# the H200 target, without the batch search, in experiments/results/gpu-check/plans/.
+GPU=experiments/results/gpu-check/plans
+H200_6B=(--preset moe-6.78b --target h200 --seq-len 2048 --no-search)
+DIR=$GPU plan moe-6.78b-h200-skewadam-default "${H200_6B[@]}" --optimizer skewadam --batch-size 1
+DIR=$GPU plan moe-6.78b-h200-skewadam-default-batch12 "${H200_6B[@]}" --optimizer skewadam \
+  --batch-size 12
+DIR=$GPU plan moe-6.78b-h200-skewadam-default-update-in-backward "${H200_6B[@]}" \
+  --optimizer skewadam --batch-size 1 --update-in-backward
+DIR=$GPU plan moe-6.78b-h200-adamw "${H200_6B[@]}" --optimizer adamw --batch-size 1
+DIR=$GPU plan moe-6.78b-h200-skewadam-library "${H200_6B[@]}" --optimizer skewadam "${ADAM[@]}" \
+  --batch-size 1
+DIR=$GPU plan moe-6.78b-h200-skewadam-library-batch12 "${H200_6B[@]}" --optimizer skewadam \
+  "${ADAM[@]}" --batch-size 12
+DIR=$GPU plan moe-6.78b-h200-skewadam-library-update-in-backward "${H200_6B[@]}" \
+  --optimizer skewadam "${ADAM[@]}" --batch-size 1 --update-in-backward
+DIR=$GPU plan moe-47b-h200-skewadam-library-update-in-backward --preset moe-47b --target h200 \
+  --seq-len 2048 --no-search --optimizer skewadam "${ADAM[@]}" --batch-size 1 --update-in-backward
+# The same step of skewadam() planned for the H100: Hopper's program, 80 GB.
+DIR=$GPU plan moe-6.78b-h100-skewadam-library --preset moe-6.78b --target h100-80gb --seq-len 2048 \
+  --no-search --optimizer skewadam "${ADAM[@]}" --batch-size 1

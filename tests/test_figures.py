@@ -76,6 +76,11 @@ def known_figures() -> frozenset:
   for path in results_files():
     if path.suffix == ".json":
       walk(json.loads(path.read_text()))
+    elif path.suffix == ".jsonl" and path.name != "metrics.jsonl":
+      # Records (a real-GPU check's phases): their values, scaled like a report's.
+      for line in path.read_text().splitlines():
+        if line.strip():
+          walk(json.loads(line))
     elif path.suffix in (".md", ".jsonl", ".log"):
       known.update(m.group(0).rstrip(".,") for m in re.finditer(r"\d[\d,]*\.?\d*",
                                                                  path.read_text()))

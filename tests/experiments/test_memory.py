@@ -117,6 +117,38 @@ def test_gpu_check_phase_runs_tiny_steps_on_any_device(update_in_backward):
   assert len(result["step_seconds"]) == 2 and np.isfinite(result["loss"])
 
 
+def test_gpu_check_runs_the_step_the_planner_plans_by_default():
+  from experiments import gpu_check
+  # No tier flag: the training command's default, as `memory --optimizer skewadam` plans it.
+  assert gpu_check.default_tiers() == config_lib.tiers_from_args(memory.build_parser().parse_args([]))
+  args = gpu_check.build_parser().parse_args(["--backbone-direction", "adam",
+                                              "--expert-direction", "adam"])
+  assert config_lib.tiers_from_args(args) == {}  # the library's skewadam()
+
+
+def test_gpu_check_table_sets_each_phase_beside_its_plan():
+  from experiments import gpu_check
+  tiers = {"backbone": {"direction": "orthogonal"}}
+  plan = {"preset": "p", "optimizer": "skewadam", "batch": 2, "update_in_backward": False,
+          "skewadam_tiers": tiers, "peak_bytes": 4e9, "target": "h200", "step_fingerprint": "ab"}
+  other = dict(plan, skewadam_tiers={}, peak_bytes=9e9, step_fingerprint="cd")
+  ran = {"preset": "p", "optimizer": "skewadam", "batch": 2, "update_in_backward": False,
+         "skewadam_tiers": tiers, "status": "ok", "peak_bytes_in_use": 3.9e9,
+         "xla": {"peak": 3.8e9}, "step_fingerprint": "ab", "compile_seconds": 1.0,
+         "median_step_seconds": 0.5, "tokens_per_second": 100.0, "mfu": 0.25}
+  oom = dict(ran, status="out_of_memory", skewadam_tiers={}, xla={"peak": 9.9e9},
+             step_fingerprint="xx")
+  del oom["median_step_seconds"], oom["tokens_per_second"], oom["mfu"]
+  rows = gpu_check.comparison_table([ran, oom], [other, plan]).splitlines()[2:]
+  cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+  # ran: its own plan (not the library's), 3.8 / 4.0, the same program.
+  assert cells[0][6:11] == ["3.900", "3.800", "4.000 (h200)", "0.9500", "yes"]
+  assert cells[0][-1] == "0.250"
+  # oom: no measured peak, matched to the library's plan, another program.
+  assert cells[1][2] == "skewadam() (library)"
+  assert cells[1][6:11] == ["-", "9.900", "9.000 (h200)", "1.1000", "no"]
+
+
 def test_tier_flags_become_skewadam_tier_configs():
   args = memory.build_parser().parse_args([
       "--expert-momentum", "int8", "--backbone-momentum", "fp32",
