@@ -2,6 +2,8 @@
 
 import json
 import pathlib
+import re
+import shlex
 import subprocess
 import sys
 
@@ -124,6 +126,23 @@ def test_gpu_check_runs_the_step_the_planner_plans_by_default():
   args = gpu_check.build_parser().parse_args(["--backbone-direction", "adam",
                                               "--expert-direction", "adam"])
   assert config_lib.tiers_from_args(args) == {}  # the library's skewadam()
+
+
+def test_every_phase_of_the_gpu_check_script_parses():
+  """A lent GPU's minutes are few: a phase the parser refuses must fail here, not there."""
+  from experiments import gpu_check
+  script = (ROOT / "experiments" / "gpu_check.sh").read_text().replace("\\\n", " ")
+  a100 = re.search(r"^a100=(\S+)$", script, re.M).group(1)
+  # The capped phases' budget is the planner's A100-40GB target's.
+  assert float(a100) * 1e9 == planner.target_device_bytes("a100-40gb")
+  phases = [shlex.split(line.replace('"$a100"', a100))[1:]
+            for line in script.splitlines() if line.startswith("phase ")]
+  assert len(phases) >= 6
+  parser = gpu_check.build_parser()
+  for argv in phases:
+    args = parser.parse_args(argv)
+    assert args.preset in ("tiny", "moe-6.78b", "moe-47b"), argv
+    assert set(args.optimizers.split(",")) <= {"skewadam", "adamw"}, argv
 
 
 def test_gpu_check_table_sets_each_phase_beside_its_plan():
