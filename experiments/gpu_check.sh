@@ -59,13 +59,6 @@ phase --preset moe-6.78b --optimizers adamw --cap-gb 0 --steps 5
 phase --preset moe-6.78b --optimizers skewadam --cap-gb 0 --steps 5 \
   --backbone-direction adam --expert-direction adam
 
-"$py" - "$log" <<'EOF'
-import json, sys
-print("| preset | optimizer | batch | in backward | status | peak GB (measured) | XLA's peak GB | compile s | median step s | MFU |")
-for line in open(sys.argv[1]):
-  r = json.loads(line)
-  gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
-  print(f"| {r.get('preset')} | {r.get('optimizer')} | {r.get('batch')} | {r.get('update_in_backward', '-')} "
-        f"| {r.get('status')} | {gb(r.get('peak_bytes_in_use'))} | {gb((r.get('xla') or {}).get('peak'))} "
-        f"| {r.get('compile_seconds', 0):.1f} | {r.get('median_step_seconds', 0):.3f} | {r.get('mfu', 0):.3f} |")
-EOF
+# Each phase beside the planner's report of the same step, where one is committed.
+"$py" -m experiments.gpu_check --table "$log" experiments/results/gpu-check/plans/*.json \
+  experiments/results/memory/moe-47b-h200-skewadam-orthogonal-update-in-backward.json
