@@ -49,6 +49,11 @@ plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-update-in-backward "${EI
   --moe-impl expert_parallel --update-in-backward
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-fsdp "${EIGHT[@]}" \
   --moe-impl expert_parallel --fsdp
+# The packed-sign momentum's row of the layout above, planned again with today's library
+# (its first plan, ...-expert-sign-expert-parallel-update-in-backward.json, predates the
+# update clip's second pass), at batch 8 only.
+plan moe-47b-8xa100-skewadam-expert-sign-expert-parallel-update-in-backward-replanned \
+  "${EIGHT[@]}" --moe-impl expert_parallel --update-in-backward --expert-momentum sign --no-search
 V6E=(--preset moe-6.78b --optimizer skewadam --target tpu-v6e --batch-size 1 --seq-len 2048)
 plan moe-6.78b-tpu-v6e-skewadam-orthogonal "${V6E[@]}"
 plan moe-6.78b-tpu-v6e-skewadam-orthogonal-update-in-backward "${V6E[@]}" --update-in-backward
