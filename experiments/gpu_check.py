@@ -195,12 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _key(record: dict) -> tuple:
+def _tiers(record: dict) -> dict | None:
+  """SkewAdam's tiers of a phase or a plan (``None`` for another optimizer)."""
   # Records written before gpu_check saved its tiers (the 2026-12-04 H200 run)
   # ran planner.train_config without tiers: the library's skewadam().
-  tiers = record.get("skewadam_tiers", {}) if record["optimizer"] == "skewadam" else None
+  return record.get("skewadam_tiers", {}) if record["optimizer"] == "skewadam" else None
+
+
+def _key(record: dict) -> tuple:
   return (record["preset"], record["optimizer"], record["batch"],
-          bool(record.get("update_in_backward")), json.dumps(tiers, sort_keys=True))
+          bool(record.get("update_in_backward")), json.dumps(_tiers(record), sort_keys=True))
 
 
 def comparison_table(phases: list[dict], plans: list[dict]) -> str:
@@ -228,7 +232,7 @@ def comparison_table(phases: list[dict], plans: list[dict]) -> str:
       continue
     plan = by_key.get(_key(r))
     measured = r.get("peak_bytes_in_use") if r["status"] == "ok" else None
-    tiers = r.get("skewadam_tiers", {}) if r["optimizer"] == "skewadam" else None
+    tiers = _tiers(r)
     tiers_text = "-" if tiers is None else (json.dumps(tiers, sort_keys=True) if tiers
                                             else "skewadam() (library)")
     same = ("-" if not plan or "step_fingerprint" not in r
@@ -271,16 +275,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   for name in args.optimizers.split(","):
     # The same flags (the last of a repeated one wins), one optimizer.
     cmd = [sys.executable, "-m", "experiments.gpu_check", *argv, "--phase", name]
+    phase = {"preset": args.preset, "optimizer": name, "batch": args.batch_size}
     try:
       out = subprocess.run(cmd, capture_output=True, text=True, check=False,
                            timeout=args.phase_timeout)
       lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
       line = lines[-1] if lines else json.dumps(
-          {"preset": args.preset, "optimizer": name, "batch": args.batch_size,
-           "status": "crashed", "returncode": out.returncode, "stderr_tail": out.stderr[-800:]})
+          {**phase, "status": "crashed", "returncode": out.returncode,
+           "stderr_tail": out.stderr[-800:]})
     except subprocess.TimeoutExpired:
-      line = json.dumps({"preset": args.preset, "optimizer": name, "batch": args.batch_size,
-                         "status": "timed_out", "phase_timeout": args.phase_timeout})
+      line = json.dumps({**phase, "status": "timed_out", "phase_timeout": args.phase_timeout})
     print(line, flush=True)
     if args.out:
       with open(args.out, "a", encoding="utf-8") as f:
