@@ -301,11 +301,10 @@ def test_train_command_with_a_mesh_and_the_update_in_backward(eight_devices):
   compiles the very step the command runs on that mesh."""
   result = eight_devices["train_layerwise"]
   assert len(result["losses"]) == 3
-  # tiny computes in bf16: a sum split across devices rounds differently (and
-  # a flipped sign of the sign-encoded expert momentum moves an element by a
-  # whole update), so the standard step on the same mesh sets the scale.
-  np.testing.assert_allclose(result["losses"], result["ref_losses"], rtol=2e-3)
-  assert result["max_param_diff"] <= 2 * result["standard_max_param_diff"] + 1e-6, result
+  # float32 compute: only the order of sums split across devices differs (bound as
+  # test_sharded_step_matches_one_device's; measured 6.5e-7 on 2 CPU cores).
+  np.testing.assert_allclose(result["losses"], result["ref_losses"], rtol=1e-6)
+  assert result["max_param_diff"] < 5e-5, result
   assert result["planned_fingerprint"] == result["trained_fingerprint"]
   assert result["planned_temp"] == result["trained_temp"]
   # --mesh data=2,expert=4 alone: the planner's step is the command's too.
