@@ -87,6 +87,26 @@ def cache_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("tokenizers")
 
 
+# The test files that take longest (--durations on 2 cores), run first: xdist
+# hands a worker whole files (--dist loadfile) in collection order, so a long
+# file reached last would leave one worker finishing it alone.
+LONGEST_FIRST = (
+    "tests/experiments/test_parallel.py",  # an 8-device subprocess: about a minute
+    "tests/experiments/test_memory.py",
+    "tests/skewadam_jax/test_transform_table.py",
+    "tests/models/test_layerwise.py",
+    "tests/experiments/test_bench.py",
+    "tests/experiments/test_train.py",
+    "tests/experiments/training/test_steps.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
+
 def pytest_unconfigure(config):
   # The controller (not an xdist worker) removes the run's compilation cache.
   cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
