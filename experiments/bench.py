@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from typing import Sequence
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -173,12 +174,39 @@ def outputs_only_update(tx: optax.GradientTransformation) -> optax.GradientTrans
   bool negated): what a program with ``tx``'s state, leaf for leaf, costs to
   compile before any of its math, for :func:`compile_times`.
   """
-  def bump(x):
-    return ~x if x.dtype == jnp.bool_ else x + jnp.ones((), x.dtype)
-
   def update(grads, state, params=None):
     del params
-    return jax.tree.map(lambda g: 2 * g, grads), jax.tree.map(bump, state)
+    return jax.tree.map(lambda g: 2 * g, grads), jax.tree.map(_bumped, state)
+
+  return optax.GradientTransformation(tx.init, update)
+
+
+def _bumped(x):
+  """``x`` written by one elementwise kernel: negated if bool, else plus one."""
+  return ~x if x.dtype == jnp.bool_ else x + jnp.ones((), x.dtype)
+
+
+def stacking_only_update(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` (a SkewAdam with ``group_leaves=True``) with each group's SkewAdam math replaced
+  by :func:`outputs_only_update`'s: what stacking the groups and slicing each leaf's
+  results out of them costs to compile by itself, for :func:`compile_times`.
+
+  The library's per-leaf step (``skewadam_jax.transform._step_leaf``) is swapped
+  for the no-math one while ``tx.update`` traces; everything around it (the
+  plans, the groups, the stacking, the slices, the placeholders passed through)
+  is the library's own, and so is what ``tx`` chains after it (``skewadam()``'s
+  weight decay and rate). ``scale_by_skewadam`` so wrapped gives
+  :func:`outputs_only_update`'s arrays, but for the one-byte placeholders, which it
+  passes through as the library does.
+  """
+  def no_math(plan, g, parts, **_):
+    del plan
+    return 2 * g, {name: _bumped(x) for name, x in parts.items()
+                   if not skewadam_jax.transform.is_placeholder(x)}
+
+  def update(grads, state, params=None):
+    with mock.patch.object(skewadam_jax.transform, "_step_leaf", no_math):
+      return tx.update(grads, state, params)
 
   return optax.GradientTransformation(tx.init, update)
 
@@ -192,7 +220,9 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   plan; the default groups them unless JAX's default backend is the CPU, so
   on this machine the first row is ungrouped whatever the target), and
   :func:`hand_written_update` (its expert math without the library) and
-  :func:`outputs_only_update` (its state's arrays written with no math). Nothing is allocated or run. ``target``: a planner target
+  :func:`outputs_only_update` (its state's arrays written with no math), and
+  :func:`stacking_only_update` (the grouped row's stacking and slicing with no math
+  between them). Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -210,7 +240,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
          "the same math by hand": hand_written_update,
          # SkewAdam's state written with no math: the outputs' own cost.
          "skewadam's outputs, no math": lambda: outputs_only_update(skewadam_jax.skewadam(
-             1e-3, param_labels=skewadam_jax.label_fn("hf")))}
+             1e-3, param_labels=skewadam_jax.label_fn("hf"))),
+         # The grouped row's stacking and slicing with no math between them.
+         "skewadam grouped, no math": lambda: stacking_only_update(skewadam_jax.skewadam(
+             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True))}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
   hlo_lines = {}
   for _ in range(rounds):

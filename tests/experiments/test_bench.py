@@ -101,11 +101,36 @@ def test_compile_times_of_a_per_expert_tree():
     result = bench.compile_times(tree, rounds=1, target=target)
     assert result["leaves"] == 15 and set(result["rows"]) == {
         "optax.adamw", "skewadam", "skewadam, leaves grouped", "the same math by hand",
-        "skewadam's outputs, no math"}
+        "skewadam's outputs, no math", "skewadam grouped, no math"}
     assert (result["target"], result["warning"]) == (target, None)
     assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
     for row in result["rows"].values():
       assert row["trace_s"] > 0 and row["compile_s"] > 0 and row["hlo_lines"] > 100
+
+
+def test_the_stacking_row_is_the_grouped_library_with_the_outputs_rows_no_math():
+  # Same-shaped expert leaves in groups (w1 and w3 of both experts, the two w2),
+  # a router and an embedding: the grouped library's stacking and slicing around no math gives outputs_only's
+  # arrays (gradients doubled, state plus one), placeholders passed through.
+  tree = bench.per_expert_tree(layers=1, experts=2, d_model=8, d_ff=16, vocab=16)
+  params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape), tree)
+  # scale_by_skewadam alone: skewadam()'s weight decay and rate would follow either.
+  grouped = bench.skewadam_jax.scale_by_skewadam(
+      param_labels=bench.skewadam_jax.label_fn("hf"), group_leaves=True)
+  state = jax.tree.map(lambda x: x + 1 if x.dtype != jnp.bool_ else x, grouped.init(params))
+  stacked = bench.stacking_only_update(grouped)
+  plain = bench.outputs_only_update(grouped)
+  got, want = stacked.update(params, state, params), plain.update(params, state, params)
+  groups = bench.skewadam_jax.transform.leaf_groups(
+      bench.skewadam_jax.leaf_plans(params, param_labels=bench.skewadam_jax.label_fn("hf")),
+      jax.tree.leaves(params))
+  assert sorted(len(g) for g in groups) == [1, 1, 2, 4]  # it did stack
+  for a, b, before in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(
+      (params, state))):
+    if a.dtype == jnp.bool_:
+      np.testing.assert_array_equal(a, before)  # a placeholder, passed through
+    else:
+      np.testing.assert_array_equal(a, b)
 
 
 def test_the_hand_written_floor_is_the_librarys_expert_math():
