@@ -44,6 +44,15 @@ if [ -n "${ABLATION-}" ]; then
   for row in $ABLATION; do ROWS+=";$SIGN,$row"; done
   compare 1600 0 "$ROWS" "$R1600" safe-defaults-ablation "${ONLY[@]}"
 fi
+# The same question at 400 steps on today's default (rank-16 expert momentum),
+# seed 0, beside its lowrank-400 run (reused): ABLATION_400 picks some of
+# u_clip=off, contain=off, m_round=nearest (about 11 min a run):
+# safe-defaults-ablation-400.
+if [ -n "${ABLATION_400-}" ]; then
+  ROWS="expert_m=lowrank"
+  for row in $ABLATION_400; do ROWS+=";expert_m=lowrank,$row"; done
+  compare 400 0 "$ROWS" "$R400" safe-defaults-ablation-400 "${ONLY[@]}"
+fi
 # The second scale (small-x5, 400 steps, seed 0, about 1 h a run): rank 16 first,
 # then the sign-momentum row on the same defaults beside it (X5=lowrank trains
 # only the first; empty: neither).
