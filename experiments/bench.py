@@ -220,9 +220,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   plan; the default groups them unless JAX's default backend is the CPU, so
   on this machine the first row is ungrouped whatever the target), and
   :func:`hand_written_update` (its expert math without the library) and
-  :func:`outputs_only_update` (its state's arrays written with no math), and
+  :func:`outputs_only_update` (its state's arrays written with no math),
   :func:`stacking_only_update` (the grouped row's stacking and slicing with no math
-  between them). Nothing is allocated or run. ``target``: a planner target
+  between them), and ``group_leaves="stacked"`` (grouped, each group's state
+  kept stacked). Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -243,7 +244,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
              1e-3, param_labels=skewadam_jax.label_fn("hf"))),
          # The grouped row's stacking and slicing with no math between them.
          "skewadam grouped, no math": lambda: stacking_only_update(skewadam_jax.skewadam(
-             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True))}
+             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True)),
+         # Grouped, each group's state kept stacked: only gradients stacked, updates sliced.
+         "skewadam, state stacked": lambda: skewadam_jax.skewadam(
+             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves="stacked")}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
   hlo_lines = {}
   for _ in range(rounds):
@@ -262,8 +266,9 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
           for name, t in times.items()}
   base = rows["optax.adamw"]
   for row in rows.values():
-    row["total_ratio_to_adamw"] = ((row["trace_s"] + row["compile_s"])
-                                   / (base["trace_s"] + base["compile_s"]))
+    row["total_s"] = row["trace_s"] + row["compile_s"]
+  for row in rows.values():
+    row["total_ratio_to_adamw"] = row["total_s"] / base["total_s"]
   return {"leaves": len(jax.tree.leaves(tree)), "rounds": rounds, "target": target,
           "warning": warning, "rows": rows}
 
@@ -397,12 +402,13 @@ def grouping_step_times(*, repeats: int = 5, rounds: int = 3,
   """The update's time with its leaves grouped against each alone, by leaf size.
 
   ``skewadam()`` with the ``"hf"`` labels on :func:`per_expert_tree` of each
-  ``(layers, d_model, d_ff)`` of ``sizes``, ``group_leaves=True`` against
-  ``False`` on this machine's default backend, compiled once each, parameters
-  and state donated, timed as :func:`bench_updates` times (median of
-  ``repeats`` calls, alternating over ``rounds``). Returns
+  ``(layers, d_model, d_ff)`` of ``sizes``, ``group_leaves=True`` and
+  ``"stacked"`` against ``False`` on this machine's default backend, compiled
+  once each, parameters and state donated, timed as :func:`bench_updates` times
+  (median of ``repeats`` calls, alternating over ``rounds``). Returns
   ``{"rounds", "rows": [{"leaf_entries", "leaves", "alone_ms", "grouped_ms",
-  "grouped_over_alone"}]}``: what the stacking's copies cost or save at run time.
+  "grouped_over_alone", "stacked_ms", "stacked_over_alone"}]}``: what the
+  stacking's copies cost or save at run time.
   """
   rows = []
   for layers, d_model, d_ff in sizes:
@@ -410,7 +416,7 @@ def grouping_step_times(*, repeats: int = 5, rounds: int = 3,
         layers=layers, d_model=d_model, d_ff=d_ff, vocab=4 * d_model))
     grads = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
     runs = {}
-    for grouped in (False, True):
+    for grouped in (False, True, "stacked"):
       tx = skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf"),
                                  group_leaves=grouped)
       compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
@@ -422,10 +428,12 @@ def grouping_step_times(*, repeats: int = 5, rounds: int = 3,
         step = lambda p, s, step=run["step"]: step(p, s, grads)
         run["seconds"].append(_median_seconds(step, *run["args"], repeats=repeats,
                                               carry=run))
-    alone, grouped = (statistics.median(runs[g]["seconds"]) for g in (False, True))
+    alone, grouped, stacked = (statistics.median(runs[g]["seconds"])
+                               for g in (False, True, "stacked"))
     rows.append({"leaf_entries": d_model * d_ff, "leaves": len(jax.tree.leaves(params)),
                  "alone_ms": 1e3 * alone, "grouped_ms": 1e3 * grouped,
-                 "grouped_over_alone": grouped / alone})
+                 "grouped_over_alone": grouped / alone, "stacked_ms": 1e3 * stacked,
+                 "stacked_over_alone": stacked / alone})
   return {"rounds": rounds, "rows": rows}
 
 
@@ -434,9 +442,11 @@ def grouping_markdown(result: dict) -> str:
   return _titled_table(
       f"`skewadam()`'s update with its leaves grouped against each alone "
       f"({result.get('backend', 'cpu')}; medians of {result['rounds']} alternating rounds",
-      result, ["expert leaf entries", "leaves", "alone (ms)", "grouped (ms)", "grouped ÷ alone"],
+      result, ["expert leaf entries", "leaves", "alone (ms)", "grouped (ms)", "grouped ÷ alone",
+               "state stacked (ms)", "stacked ÷ alone"],
       [f"| {r['leaf_entries']:,} | {r['leaves']} | {r['alone_ms']:.1f} | "
-       f"{r['grouped_ms']:.1f} | {r['grouped_over_alone']:.2f} |" for r in result["rows"]])
+       f"{r['grouped_ms']:.1f} | {r['grouped_over_alone']:.2f} | "
+       f"{r['stacked_ms']:.1f} | {r['stacked_over_alone']:.2f} |" for r in result["rows"]])
 
 
 # The train steps compared: name → TrainConfig overrides.

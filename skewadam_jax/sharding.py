@@ -17,6 +17,7 @@ for axis. With ``spec`` the parameter's ``PartitionSpec``:
 | exact ``v``, fp32/bf16 ``m``, int8 codes | the parameter's | ``spec`` |
 | factored ``nu_row`` / ``nu_col``, sign ``mu_row`` / ``mu_col`` | one matrix axis reduced to 1 | ``spec`` with that axis replicated |
 | int8 ``mu_scale``, sign bits | one axis shortened (blocks, 8 bits a byte) | ``spec``; the shortened axis keeps its entry only if it still divides evenly |
+| a group's stacked state (``group_leaves="stacked"``, at its first leaf) | one more leading axis | ``None``, then as above for the rest |
 | placeholders ``bool[1]``, counts, scalars, anything of another rank | | replicated |
 
 The rule reads only shapes: an axis as long as the parameter's keeps its
@@ -119,6 +120,9 @@ def _follow(leaf, param: _Param, sizes: dict, path: str) -> Spec:
   """The spec of a state array that belongs to ``param`` (see the module docstring)."""
   shape = tuple(leaf.shape)
   placeholder = shape == (1,) and getattr(leaf, "dtype", None) == jnp.bool_
+  if (len(shape) == len(param.shape) + 1  # a group stacked on axis 0, or another rank's
+      and all(s <= p for s, p in zip(shape[1:], param.shape))):
+    return (None,) + _follow(jax.ShapeDtypeStruct(shape[1:], leaf.dtype), param, sizes, path)
   if placeholder or len(shape) != len(param.shape) or math.prod(shape) == 0:
     return ()
   if any(s > p for s, p in zip(shape, param.shape)):

@@ -101,7 +101,7 @@ def test_compile_times_of_a_per_expert_tree():
     result = bench.compile_times(tree, rounds=1, target=target)
     assert result["leaves"] == 15 and set(result["rows"]) == {
         "optax.adamw", "skewadam", "skewadam, leaves grouped", "the same math by hand",
-        "skewadam's outputs, no math", "skewadam grouped, no math"}
+        "skewadam's outputs, no math", "skewadam grouped, no math", "skewadam, state stacked"}
     assert (result["target"], result["warning"]) == (target, None)
     assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
     for row in result["rows"].values():
@@ -188,10 +188,12 @@ def test_grouping_cost_times_both_ways_and_renders(tmp_path, capsys):
     assert row["leaves"] == 8 * 3 + 2
     assert row["alone_ms"] > 0 and row["grouped_ms"] > 0
     assert row["grouped_over_alone"] == pytest.approx(row["grouped_ms"] / row["alone_ms"])
+    assert row["stacked_over_alone"] == pytest.approx(row["stacked_ms"] / row["alone_ms"])
   path = tmp_path / "grouping.json"
   path.write_text(json.dumps({**result, "backend": "cpu", "machine": "m", "date": "d"}))
   assert bench.main(["--render", str(path)]) == 0
   out = capsys.readouterr().out
   row = result["rows"][0]
   assert (f"| 128 | 26 | {row['alone_ms']:.1f} | {row['grouped_ms']:.1f} | "
-          f"{row['grouped_over_alone']:.2f} |") in out
+          f"{row['grouped_over_alone']:.2f} | {row['stacked_ms']:.1f} | "
+          f"{row['stacked_over_alone']:.2f} |") in out

@@ -2,9 +2,12 @@
 the same update and state as each leaf alone, and a program that grows with plans, not leaves.
 """
 
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import skewadam_jax as sa
@@ -101,3 +104,80 @@ def test_a_group_s_outputs_are_sliced_at_runtime_offsets_on_the_cpu():
   assert " dynamic-slice(" in compiled
   static = [line for line in compiled.splitlines() if " slice(" in line]
   assert all("= s32[1]" in line for line in static), static[:3]  # the offsets' own
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_stacked_state_steps_as_the_grouped_update(name):
+  # group_leaves="stacked" keeps each group's state stacked at its first leaf: the
+  # same update and state as group_leaves=True, laid out as the stacked step holds it.
+  tree = _per_expert_tree(4)
+  kw = dict(param_labels=sa.label_fn("hf"), max_grad_norm=1.0, **SETTINGS[name])
+  grouped, stacked = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in (True, "stacked"))
+  s1, s2 = grouped.init(tree), stacked.init(tree)
+  groups = transform.leaf_groups(sa.leaf_plans(tree, **{k: v for k, v in kw.items()
+                                                        if k != "max_grad_norm"}),
+                                 jax.tree.leaves(tree))
+  assert max(map(len, groups)) == 4  # each expert weight's group: the 4 experts
+  close = lambda a, b: np.testing.assert_allclose(  # noqa: E731
+      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
+  for step in range(3):
+    g = _grads(tree, step)
+    u1, s1 = jax.jit(grouped.update)(g, s1)
+    u2, s2 = jax.jit(stacked.update)(g, s2)
+    jax.tree.map(close, u1, u2)
+    for field in transform.FIELDS:
+      per_leaf = jax.tree.leaves(getattr(s1, field))
+      held = jax.tree.leaves(getattr(s2, field), is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      for indices in groups:
+        if len(indices) == 1 or transform.is_placeholder(per_leaf[indices[0]]):
+          close(held[indices[0]], per_leaf[indices[0]])
+        else:
+          close(held[indices[0]], jnp.stack([per_leaf[i] for i in indices]))
+        assert all(isinstance(held[i], optax.MaskedNode) for i in indices[1:])
+
+
+def test_a_stacked_state_does_not_grow_with_a_group_s_leaves():
+  count = lambda experts, group: len(jax.tree.leaves(  # noqa: E731
+      sa.scale_by_skewadam(param_labels=sa.label_fn("hf"), group_leaves=group).init(
+          _per_expert_tree(experts))))
+  assert count(16, "stacked") == count(4, "stacked")
+  assert count(16, True) > 3 * count(4, True) - 40  # the per-leaf layout: 7 arrays a leaf
+
+
+def test_a_state_is_continued_with_the_layout_it_was_made_with():
+  tree = _per_expert_tree(2)
+  kw = dict(param_labels=sa.label_fn("hf"))
+  stacked, per_leaf = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in ("stacked", True))
+  grads = _grads(tree, 0)
+  with pytest.raises(ValueError, match=r"experts/0/w1.*stacked with the 1 leaves after it"):
+    stacked.update(grads, per_leaf.init(tree))
+  with pytest.raises(ValueError, match=r"experts/0/w1.*uint8\[2, 8, 2\].*group_leaves"):
+    per_leaf.update(grads, stacked.init(tree))
+  with pytest.raises(ValueError, match="group_leaves must be"):
+    sa.scale_by_skewadam(group_leaves="stack")
+
+
+def test_a_stacked_state_shards_checkpoints_and_counts_as_its_parameters():
+  import orbax.checkpoint as ocp
+  from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+  tree = _per_expert_tree(2)
+  kw = dict(param_labels=sa.label_fn("hf"))
+  stacked, per_leaf = (sa.skewadam(1e-3, group_leaves=g, **kw) for g in ("stacked", False))
+  # The group's bytes are its leaves' bytes, all counted at its first leaf.
+  assert (sum(sa.state_bytes_per_param(stacked, tree))
+          == sum(sa.state_bytes_per_param(per_leaf, tree)))
+  mesh = AbstractMesh((2,), ("data",))
+  shardings = jax.tree.map(lambda x: NamedSharding(mesh, P("data") if x.ndim == 2 else P()),
+                           tree)
+  experts = sa.state_shardings(stacked, tree, shardings)[0].nu_row["block_sparse_moe"]["experts"]
+  assert tuple(experts["0"]["w1"].spec) == (None, "data", None)  # [2, 8, 1]: the group axis first
+  assert isinstance(experts["1"]["w1"], optax.MaskedNode)
+  state = stacked.init(tree)
+  _, state = jax.jit(stacked.update)(_grads(tree, 0), state, tree)
+  checkpointer = ocp.StandardCheckpointer()
+  with tempfile.TemporaryDirectory() as directory:
+    checkpointer.save(f"{directory}/state", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(f"{directory}/state", jax.eval_shape(stacked.init, tree))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
