@@ -1232,7 +1232,8 @@ def scale_by_skewadam(
     field_leaves = {}
     for name in FIELDS:
       field = getattr(state, name)
-      if jax.tree.structure(field, is_leaf=_is_masked) != treedef:
+      if (jax.tree.structure(field) != treedef  # a stacked group's later leaves: MaskedNode
+          and jax.tree.structure(field, is_leaf=_is_masked) != treedef):
         raise ValueError(
             f"The updates' tree ({treedef.num_leaves} leaves) differs from the "
             f"one SkewAdam's state was made for ({jax.tree.structure(field).num_leaves} "

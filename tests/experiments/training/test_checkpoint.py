@@ -137,3 +137,21 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mode):
   assert checkpointer.all_steps() == [1, 2]
   assert not (directory / "2.orbax-checkpoint-tmp").exists()
   checkpointer.close()
+
+
+def test_a_skewadam_state_stacked_by_group_round_trips(tmp_path):
+  # group_leaves="stacked": a group's arrays at its first leaf, optax.MaskedNode at the others.
+  import optax
+  import skewadam_jax as sa
+  tree = {"experts": {str(e): {"w1": jnp.full((8, 16), 0.1 * e)} for e in range(3)},
+          "norm": jnp.ones((8,))}
+  tx = sa.skewadam(1e-3, param_labels=sa.label_fn("hf"), group_leaves="stacked")
+  _, opt_state = jax.jit(tx.update)(jax.tree.map(jnp.sin, tree), tx.init(tree), tree)
+  assert isinstance(opt_state[0].mu["experts"]["1"]["w1"], optax.MaskedNode)
+  assert opt_state[0].nu_row["experts"]["0"]["w1"].shape == (3, 8, 1)
+  checkpointer = ckpt_lib.Checkpointer(tmp_path / "ckpt")
+  checkpointer.save(1, (tree, opt_state), {"config": {}})
+  like = jax.eval_shape(lambda: (tree, tx.init(tree)))
+  (params, restored), _ = checkpointer.restore(1, like)
+  assert jax.tree.structure(restored) == jax.tree.structure(opt_state)
+  assert_trees_equal((params, restored), (tree, opt_state))
