@@ -1229,11 +1229,13 @@ def scale_by_skewadam(
           "(e.g. optax.adamw) cannot be continued by SkewAdam; init a new one.")
     b1_, b2_ = _decay(b1), _decay(b2)
     paths, grads, treedef = labels_lib.flatten_with_paths(updates)
+    masked_treedef = jax.tree.structure(updates, is_leaf=_is_masked)
     field_leaves = {}
     for name in FIELDS:
       field = getattr(state, name)
-      if (jax.tree.structure(field) != treedef  # a stacked group's later leaves: MaskedNode
-          and jax.tree.structure(field, is_leaf=_is_masked) != treedef):
+      # MaskedNode as a leaf on both sides: optax.masked's (in the updates and the
+      # state alike) and a stacked group's later leaves (in the state only).
+      if jax.tree.structure(field, is_leaf=_is_masked) != masked_treedef:
         raise ValueError(
             f"The updates' tree ({treedef.num_leaves} leaves) differs from the "
             f"one SkewAdam's state was made for ({jax.tree.structure(field).num_leaves} "

@@ -170,3 +170,16 @@ def test_a_stacked_state_shards_and_counts_as_its_parameters():
   experts = sa.state_shardings(stacked, tree, shardings)[0].nu_row["block_sparse_moe"]["experts"]
   assert tuple(experts["0"]["w1"].spec) == (None, "data", None)  # [2, 8, 1]: the group axis first
   assert isinstance(experts["1"]["w1"], optax.MaskedNode)
+
+
+def test_a_stacked_state_under_optax_masked_steps_as_the_grouped_one():
+  tree = _per_expert_tree(3)
+  mask = jax.tree.map(lambda x: x.ndim == 2, tree)  # the norm's vector left out
+  txs = [optax.masked(sa.scale_by_skewadam(param_labels=sa.label_fn("hf"), group_leaves=g),
+                      mask) for g in (True, "stacked")]
+  states = [tx.init(tree) for tx in txs]
+  for step in range(2):
+    g = _grads(tree, step)
+    (u1, states[0]), (u2, states[1]) = (jax.jit(tx.update)(g, s)
+                                        for tx, s in zip(txs, states))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), u1, u2)
