@@ -323,13 +323,13 @@ _ROUTER_LIKE = re.compile(r"(^|[/.])(gate|[a-z_]*rout[a-z_]*)([/.]|$)", re.I)
 
 
 def _example_paths(paths: list[str], leaves: list[Any], tier: str) -> list[str]:
-  """A few paths that may be what the patterns missed, for the warning."""
+  """A few paths that may be what the patterns missed, for the warning (none: none looks so)."""
   if tier == EXPERT:
     hits = [p for p, x in zip(paths, leaves)
             if ("expert" in p.lower() or len(x.shape) >= 3) and not _ROUTER_LIKE.search(p)]
   else:
     hits = [p for p in paths if re.search(r"gate|rout", p, re.I) and "proj" not in p]
-  return (hits or paths)[:3]
+  return hits[:3]
 
 
 def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
@@ -346,7 +346,8 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
       f"SkewAdam's {who} found no {' and no '.join(unmatched)} leaf among "
       f"{len(labels)} parameters{shown}; "
       f"every such leaf is in the backbone tier. Paths that may be meant: "
-      + "; ".join(f"{t}: {examples[t]}" for t in unmatched) + ". "
+      + "; ".join(f"{t}: {examples[t]}" if examples[t] else f"{t}: none of the paths looks "
+                  "like one" for t in unmatched) + ". "
       + _better_sets(paths, name)
       + f"Pass param_labels (a label_fn of {sorted(PATTERNS)}, a tree, or your own "
       "patterns) if the tree names its experts or router differently; "

@@ -322,3 +322,13 @@ def test_the_hint_never_offers_a_router_as_an_expert():
   expert_hint = text.split("expert: ")[1].split("; router:")[0]
   assert "MoeBlock_0/wi_0" in expert_hint and "gate" not in expert_hint
   assert "router: ['params/decoder/layers/MoeBlock_0/gate/kernel']" in text
+
+
+def test_the_hint_offers_no_path_that_does_not_look_like_the_missing_tier():
+  # Every leaf an expert, no router anywhere: the hint names no expert as a router.
+  tree = {"experts": {str(e): {"kernel": jnp.zeros((8, 16)), "bias": jnp.zeros((16,))}
+                      for e in range(2)}}
+  with pytest.warns(UserWarning, match=r"found no router leaf.*router: none of the paths "
+                                       r"looks like one\.") as caught:
+    labels.resolve_labels(lambda t: jax.tree.map(lambda _: "expert", t), tree, warn=True)
+  assert "experts/0" not in str(caught[0].message)
