@@ -39,18 +39,38 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("name", SETTINGS)
-def test_grouped_steps_equal_each_leaf_stepped_alone(name):
+def test_grouped_steps_equal_each_leaf_stepped_alone_and_the_stacked_state_holds_them(name):
+  # group_leaves=True: the update and state of each leaf stepped alone, to round-off;
+  # "stacked": the grouped update, with each group's state stacked at its first leaf
+  # (the grouped per-leaf states stacked) and optax.MaskedNode at its other leaves.
   tree = _per_expert_tree(4)
   kw = dict(param_labels=sa.label_fn("hf"), max_grad_norm=1.0, **SETTINGS[name])
-  grouped, alone = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in (True, False))
-  s1, s2 = grouped.init(tree), alone.init(tree)
+  txs = [sa.scale_by_skewadam(group_leaves=g, **kw) for g in (False, True, "stacked")]
+  states = [tx.init(tree) for tx in txs]
+  groups = transform.leaf_groups(sa.leaf_plans(tree, **{k: v for k, v in kw.items()
+                                                        if k != "max_grad_norm"}),
+                                 jax.tree.leaves(tree))
+  assert max(map(len, groups)) == 4  # each expert weight's group: the 4 experts
+  close = lambda a, b: np.testing.assert_allclose(  # noqa: E731
+      np.asarray(a, np.float32), np.asarray(b, np.float32),
+      rtol=1e-4, atol=1e-5)  # batched matmuls round differently
   for step in range(3):
     g = _grads(tree, step)
-    u1, s1 = jax.jit(grouped.update)(g, s1)
-    u2, s2 = jax.jit(alone.update)(g, s2)
-    for a, b in zip(jax.tree.leaves((u1, s1)), jax.tree.leaves((u2, s2))):
-      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                 rtol=1e-4, atol=1e-5)  # batched matmuls round differently
+    (u_alone, s_alone), (u_grouped, s_grouped), (u_stacked, s_stacked) = (
+        jax.jit(tx.update)(g, s) for tx, s in zip(txs, states))
+    states = [s_alone, s_grouped, s_stacked]
+    jax.tree.map(close, (u_alone, s_alone), (u_grouped, s_grouped))
+    jax.tree.map(close, u_grouped, u_stacked)
+    for field in transform.FIELDS:
+      per_leaf = jax.tree.leaves(getattr(s_grouped, field))
+      held = jax.tree.leaves(getattr(s_stacked, field),
+                             is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      for indices in groups:
+        if len(indices) == 1 or transform.is_placeholder(per_leaf[indices[0]]):
+          close(held[indices[0]], per_leaf[indices[0]])
+        else:
+          close(held[indices[0]], jnp.stack([per_leaf[i] for i in indices]))
+        assert all(isinstance(held[i], optax.MaskedNode) for i in indices[1:])
 
 
 def test_leaf_groups_share_plan_shape_and_dtype_within_the_bound():
@@ -102,36 +122,6 @@ def test_a_group_s_outputs_are_sliced_at_runtime_offsets_on_the_cpu():
   assert " dynamic-slice(" in compiled
   static = [line for line in compiled.splitlines() if " slice(" in line]
   assert all("= s32[1]" in line for line in static), static[:3]  # the offsets' own
-
-
-@pytest.mark.parametrize("name", SETTINGS)
-def test_stacked_state_steps_as_the_grouped_update(name):
-  # group_leaves="stacked" keeps each group's state stacked at its first leaf: the
-  # same update and state as group_leaves=True, laid out as the stacked step holds it.
-  tree = _per_expert_tree(4)
-  kw = dict(param_labels=sa.label_fn("hf"), max_grad_norm=1.0, **SETTINGS[name])
-  grouped, stacked = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in (True, "stacked"))
-  s1, s2 = grouped.init(tree), stacked.init(tree)
-  groups = transform.leaf_groups(sa.leaf_plans(tree, **{k: v for k, v in kw.items()
-                                                        if k != "max_grad_norm"}),
-                                 jax.tree.leaves(tree))
-  assert max(map(len, groups)) == 4  # each expert weight's group: the 4 experts
-  close = lambda a, b: np.testing.assert_allclose(  # noqa: E731
-      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
-  for step in range(3):
-    g = _grads(tree, step)
-    u1, s1 = jax.jit(grouped.update)(g, s1)
-    u2, s2 = jax.jit(stacked.update)(g, s2)
-    jax.tree.map(close, u1, u2)
-    for field in transform.FIELDS:
-      per_leaf = jax.tree.leaves(getattr(s1, field))
-      held = jax.tree.leaves(getattr(s2, field), is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-      for indices in groups:
-        if len(indices) == 1 or transform.is_placeholder(per_leaf[indices[0]]):
-          close(held[indices[0]], per_leaf[indices[0]])
-        else:
-          close(held[indices[0]], jnp.stack([per_leaf[i] for i in indices]))
-        assert all(isinstance(held[i], optax.MaskedNode) for i in indices[1:])
 
 
 def test_a_stacked_state_does_not_grow_with_a_group_s_leaves():
