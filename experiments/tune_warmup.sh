@@ -28,7 +28,7 @@ declare -A BASELINE=(  # each contender's seed-0 run with the 160-step warmup
   [muon]=experiments/results/compare-long-runs/muon-sweep-lr1.50e-02
   [adamw]=experiments/results/compare-long-runs/adamw-sweep-lr4.50e-03
 )
-for row in ${ROWS-skewadam-60 lowrank-60 muon-60 adamw-60 lowrank-320 muon-320 adamw-320 adamw-640}; do
+for row in ${ROWS-skewadam-60 lowrank-60 muon-60 adamw-60 lowrank-320 muon-320 adamw-320 adamw-640 skewadam-320}; do
   contender=${row%-*} warmup=${row##*-}
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
     continue
