@@ -120,7 +120,7 @@ def _follow(leaf, param: _Param, sizes: dict, path: str) -> Spec:
   """The spec of a state array that belongs to ``param`` (see the module docstring)."""
   shape = tuple(leaf.shape)
   placeholder = shape == (1,) and getattr(leaf, "dtype", None) == jnp.bool_
-  if (len(shape) == len(param.shape) + 1  # a group stacked on axis 0, or another rank's
+  if (not placeholder and len(shape) == len(param.shape) + 1  # a group stacked on axis 0
       and all(s <= p for s, p in zip(shape[1:], param.shape))):
     return (None,) + _follow(jax.ShapeDtypeStruct(shape[1:], leaf.dtype), param, sizes, path)
   if placeholder or len(shape) != len(param.shape) or math.prod(shape) == 0:

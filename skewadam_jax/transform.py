@@ -938,7 +938,7 @@ def _check_group_parts(paths, indices, plans, grads, parts) -> None:
   _check_parts(f"{paths[first]} (stacked with the {len(indices) - 1} leaves after it)",
                _stacked_plan(plans[first]), _stacked_leaf(indices, grads), parts[first])
   for i in indices[1:]:
-    held = [name for name in FIELDS if not isinstance(parts[i][name], optax.MaskedNode)]
+    held = [name for name in FIELDS if not _is_masked(parts[i][name])]
     if held:
       raise ValueError(
           f"SkewAdam state for {paths[i]!r} holds {held}, but with "
@@ -994,8 +994,7 @@ def _expected_parts(plan: LeafPlan, shape: tuple, dtype) -> dict:
 
 def _check_parts(path: str, plan: LeafPlan, leaf, parts: dict) -> None:
   """Raises if a leaf's state is not what ``plan`` makes for it (naming the path)."""
-  if (isinstance(leaf, jax.ShapeDtypeStruct)  # a group's leaves stacked, never explicit
-      or _explicit.explicit_spec(leaf) is None):  # one eval_shape per plan, shape and dtype
+  if _explicit.explicit_spec(leaf) is None:  # one eval_shape per plan, shape and dtype
     expected = _expected_parts(plan, tuple(leaf.shape), jnp.dtype(leaf.dtype))
   else:
     expected = jax.eval_shape(lambda p: _fresh_parts(plan, p), _abstract_leaf(leaf))

@@ -11,7 +11,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+
+import skewadam_jax as sa
 
 from experiments.training import checkpoint as ckpt_lib
 from experiments.training import config as config_lib
@@ -141,8 +144,6 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mode):
 
 def test_a_skewadam_state_stacked_by_group_round_trips(tmp_path):
   # group_leaves="stacked": a group's arrays at its first leaf, optax.MaskedNode at the others.
-  import optax
-  import skewadam_jax as sa
   tree = {"experts": {str(e): {"w1": jnp.full((8, 16), 0.1 * e)} for e in range(3)},
           "norm": jnp.ones((8,))}
   tx = sa.skewadam(1e-3, param_labels=sa.label_fn("hf"), group_leaves="stacked")
