@@ -32,7 +32,9 @@ Every optimizer runs under the same allocator; the JSON says which one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -217,8 +219,8 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   All in this process, alternating, ``rounds`` times each (medians); SkewAdam
   with its defaults and the ``"hf"`` labels (so the per-expert leaves are its
   expert tier), the same with ``group_leaves=True`` (its leaves stacked by
-  plan; the default groups them unless JAX's default backend is the CPU, so
-  on this machine the first row is ungrouped whatever the target), and
+  plan; the default steps each leaf alone when JAX's default backend is the
+  CPU, so on this machine the first row is ungrouped whatever the target), and
   :func:`hand_written_update` (its expert math without the library) and
   :func:`outputs_only_update` (its state's arrays written with no math),
   :func:`stacking_only_update` (the grouped row's stacking and slicing with no math
@@ -234,8 +236,8 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   tree = place(tree)
   txs = {"optax.adamw": lambda: optax.adamw(1e-3),
          "skewadam": lambda: skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf")),
-         # Its leaves stacked by plan, shape and dtype whatever the backend
-         # (the default groups them unless JAX's default backend is the CPU).
+         # Its leaves stacked by plan, shape and dtype whatever the backend,
+         # each leaf's state kept leaf by leaf.
          "skewadam, leaves grouped": lambda: skewadam_jax.skewadam(
              1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True),
          "the same math by hand": hand_written_update,
@@ -245,7 +247,8 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
          # The grouped row's stacking and slicing with no math between them.
          "skewadam grouped, no math": lambda: stacking_only_update(skewadam_jax.skewadam(
              1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True)),
-         # Grouped, each group's state kept stacked: only gradients stacked, updates sliced.
+         # Grouped, each group's state kept stacked: only gradients stacked, updates
+         # sliced (the default unless JAX's default backend is the CPU).
          "skewadam, state stacked": lambda: skewadam_jax.skewadam(
              1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves="stacked")}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
@@ -486,7 +489,11 @@ def bench_train_step(*, steps: int, rounds: int) -> dict:
           "steps_per_round": steps, "rounds": rounds}
 
 
-def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> dict:
+UPDATE_TEMP_ROWS = ("skewadam", "skewadam, as on a GPU", "skewadam, leaves grouped", "adamw")
+
+
+def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb",
+                      rows: Sequence[str] = UPDATE_TEMP_ROWS) -> dict:
   """XLA temp and kernel bytes of the optimizer update alone (update + apply).
 
   Compiled for ``target`` without a device, as the memory planner does; the
@@ -494,18 +501,29 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb") -> d
   input, so the temp is what the update needs beyond its inputs and outputs.
   ``kernel_bytes_per_param`` is :func:`~experiments.planning.hlo.kernel_bytes` of the compiled update
   over the number of parameters: what the update would read and write on
-  that GPU.
+  that GPU. Row ``"skewadam"`` is the optimizer as this machine builds it
+  (on a CPU: each leaf stepped alone), ``"skewadam, as on a GPU"`` as a GPU
+  builds it (``group_leaves="auto"`` reads JAX's default backend: each
+  group's state stacked) and ``"skewadam, leaves grouped"`` with
+  ``group_leaves=True`` (the GPU's default before 0.3.0).
   """
   _, _, params, _ = steps_lib.abstract_model(preset, jnp.bfloat16)
   sharding, warning = planner.target_sharding(target)
   place = lambda t: planner.with_sharding(t, sharding)
   n = sum(x.size for x in jax.tree.leaves(params))
   temp, traffic = {}, {}
-  for name in ("skewadam", "adamw"):
-    tx = planner.make_tx(name, preset)
-    state = jax.eval_shape(tx.init, params)
-    compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
-        place(params), place(state), place(params)).compile()
+  grouped = functools.partial(skewadam_jax.skewadam, group_leaves=True)
+  patches = {"skewadam": [], "adamw": [],
+             "skewadam, as on a GPU": [mock.patch.object(jax, "default_backend", lambda: "gpu")],
+             "skewadam, leaves grouped": [mock.patch.object(skewadam_jax, "skewadam", grouped)]}
+  for name in rows:
+    with contextlib.ExitStack() as stack:
+      for patch in patches[name]:  # in place while the optimizer is built and traced
+        stack.enter_context(patch)
+      tx = planner.make_tx(name.split(",")[0], preset)
+      state = jax.eval_shape(tx.init, params)
+      compiled = jax.jit(_update_and_apply(tx), donate_argnums=(0, 1)).lower(
+          place(params), place(state), place(params)).compile()
     temp[name] = int(compiled.memory_analysis().temp_size_in_bytes)
     traffic[name] = hlo.kernel_bytes(compiled.as_text()) / n
   return {"preset": preset, "target": target, "warning": warning, "temp_bytes": temp,

@@ -25,15 +25,17 @@ which two axes of a leaf form its matrix is declared separately
 Every other axis (layer, expert) is a batch axis. A leaf declared a vector has
 an exact ``v`` and dense momentum in every tier.
 
-The state is shaped like the parameters, as optax's own states are: each
-field of :class:`ScaleBySkewAdamState` is a tree with the parameters'
-structure, holding for every leaf the array that field stores for it, or a
+Each field of :class:`ScaleBySkewAdamState` is a tree with the parameters'
+structure. Stepped leaf by leaf (``group_leaves=False``, and the default on
+the CPU) it holds for every leaf the array that field stores for it, or a
 one-byte placeholder (``bool[1]``) where the leaf's form has no such array
 (as ``optax.scale_by_factored_rms`` keeps ``(1,)`` placeholders; orbax cannot
-save zero-size arrays). So ``optax.tree.map_params``, orbax and sharding
-derivation work on it unchanged. (``group_leaves="stacked"`` trades this for
-compile time: a group's arrays stacked at its first leaf, ``optax.MaskedNode``
-at the others.)
+save zero-size arrays), shaped like the parameters as optax's own states
+are. The default on a GPU or TPU (``group_leaves="stacked"``) trades that for
+compile time: leaves of one plan, shape and dtype are a group, whose arrays
+are stacked at its first leaf, with ``optax.MaskedNode`` at the others (as
+``optax.masked`` leaves them). Orbax, ``state_shardings`` and
+``state_bytes_per_param`` read either layout.
 
 Complex parameters follow ``optax.scale_by_adam``: ``v`` is an EMA of
 ``|g|²`` (real, factored or exact as configured) and the momentum is complex,
@@ -810,6 +812,22 @@ GROUP_MAX_ELEMENTS = orthogonal.AUTO_CHUNK_ELEMENTS
 STACKED = "stacked"
 
 
+def _init_stacks_state(group_leaves) -> bool:
+  """Whether ``init`` keeps each group's state stacked: ``"stacked"``, or ``"auto"`` off the CPU."""
+  return group_leaves == STACKED or (group_leaves == "auto" and jax.default_backend() != "cpu")
+
+
+def _holds_stacked_groups(groups: list[list[int]], parts: list[dict]) -> bool:
+  """Whether a state was laid out with each group stacked at its first leaf.
+
+  Such a state holds ``optax.MaskedNode`` in a group's later leaves, which a
+  per-leaf state never does (a field a leaf does not use is a ``bool[1]``
+  placeholder there); whether the rest agrees is checked leaf by leaf after.
+  """
+  return any(_is_masked(parts[indices[1]][name])
+             for indices in groups if len(indices) > 1 for name in FIELDS)
+
+
 def leaf_groups(plans, leaves, max_elements: Optional[int] = GROUP_MAX_ELEMENTS
                 ) -> list[list[int]]:
   """Indices of the leaves :func:`scale_by_skewadam` steps together, in order of first leaf.
@@ -1141,25 +1159,27 @@ def scale_by_skewadam(
       a group, not once a leaf; the result is the same to float32 round-off
       (batched products and reductions may sum in another order). What it
       costs is the stacking: a copy of each grouped leaf's gradient and state
-      in, and one out, per step. On the 501-leaf Hugging Face Mixtral-shaped
-      tree of ``python -m experiments.bench --compile-time`` (its leaves are
-      8192 entries), trace + compile took about half as long grouped as each
-      leaf alone for both XLA:GPU and XLA:CPU (the performance page has the
-      figures), and on the CPU the grouped update ran faster up to 64K
-      entries a leaf, slower at 512K (``python -m experiments.bench
-      --grouping-cost``). ``"auto"`` (default) groups unless JAX's default
-      backend is the CPU, where every CPU-trained figure of the project was
-      measured ungrouped (grouping moves the update by round-off). ``False``:
-      each leaf alone. ``"stacked"``: as ``True``, and each group's state is
-      kept stacked too, in the place of the group's first leaf (its later
-      leaves hold ``optax.MaskedNode()`` in every field, as under
+      in, and one out, per step. ``"stacked"``: as ``True``, and each group's
+      state is kept stacked too, in the place of the group's first leaf (its
+      later leaves hold ``optax.MaskedNode()`` in every field, as under
       ``optax.masked``), so a step stacks only the gradients and slices only
-      the updates: on that tree trace + compile took about ``optax.adamw``'s
-      with XLA:CPU and under twice it with XLA:GPU (the README's compile rows). The update is the grouped one; what changes is
-      the state's layout: a group's arrays have one more leading axis (the
-      group's leaves in flattening order), ``state_shardings`` replicates that
-      axis, and a state must be continued with the ``group_leaves`` it was made
-      with.
+      the updates. ``False``: each leaf alone. ``"auto"`` (default):
+      ``"stacked"`` unless JAX's default backend is the CPU, where each leaf is
+      stepped alone (every CPU-trained figure of the project was measured so;
+      grouping moves the update by round-off); its update continues a state of
+      either layout, on either backend. On the 501-leaf Hugging Face
+      Mixtral-shaped tree of ``python -m experiments.bench --compile-time``
+      (8192-entry leaves; the README's compile rows), trace + compile took
+      1.8x ``optax.adamw``'s with XLA:GPU stacked, 3.3x grouped and 7.9x each
+      leaf alone (XLA:CPU: 1.1x, 3.5x and 8.5x), and on the CPU the stacked
+      update ran in 0.4-1.1 of the time of each leaf alone (``python -m
+      experiments.bench --grouping-cost``). What ``"stacked"`` changes is the
+      state's layout: a group's arrays have one more leading axis (the group's
+      leaves in flattening order), ``state_shardings`` replicates that axis,
+      and a state made with ``True``, ``False`` or ``"stacked"`` must be
+      continued with the same setting (``"auto"`` reads it from the state; a
+      checkpoint restored into a target made on another backend must name the
+      layout, e.g. ``group_leaves="stacked"`` on a CPU for a GPU's state).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -1195,7 +1215,6 @@ def scale_by_skewadam(
   if group_leaves not in ("auto", True, False, STACKED):
     raise ValueError(f"group_leaves must be 'auto', True, False or 'stacked', got "
                      f"{group_leaves!r}.")
-  state_stacked = group_leaves == STACKED
   if isinstance(clip_threshold, str) and clip_threshold != "auto":
     raise ValueError(f"clip_threshold must be 'auto', a number > 0 or None, got "
                      f"{clip_threshold!r}.")
@@ -1215,7 +1234,7 @@ def scale_by_skewadam(
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
     plans = plans_for(params, warn=True)
-    per_leaf = _init_parts(plans, leaves, state_stacked)
+    per_leaf = _init_parts(plans, leaves, _init_stacks_state(group_leaves))
     fields = {name: treedef.unflatten([parts.get(name, _placeholder()) for parts in per_leaf])
               for name in FIELDS}
     return ScaleBySkewAdamState(count=jnp.zeros([], jnp.int32), **fields)
@@ -1237,16 +1256,21 @@ def scale_by_skewadam(
       # state alike) and a stacked group's later leaves (in the state only).
       if jax.tree.structure(field, is_leaf=_is_masked) != masked_treedef:
         raise ValueError(
-            f"The updates' tree ({treedef.num_leaves} leaves) differs from the "
-            f"one SkewAdam's state was made for ({jax.tree.structure(field).num_leaves} "
-            f"leaves in its {name!r} field): {_tree_difference(paths, field)}. "
+            f"The updates' tree ({masked_treedef.num_leaves} leaves) differs from the "
+            f"one SkewAdam's state was made for "
+            f"({jax.tree.structure(field, is_leaf=_is_masked).num_leaves} "
+            f"leaves in its {name!r} field): {_tree_difference(updates, field)}. "
             "The tree must not change between init and update.")
       field_leaves[name] = treedef.flatten_up_to(field)
     plans = plans_for(updates)
     count = optax.safe_increment(state.count)
     parts = [{name: field_leaves[name][i] for name in FIELDS} for i in range(len(grads))]
-    grouped = state_stacked or (
-        jax.default_backend() != "cpu" if group_leaves == "auto" else bool(group_leaves))
+    if group_leaves == "auto":  # the layout the state was made with, on whichever backend
+      state_stacked = _holds_stacked_groups(leaf_groups(plans, grads), parts)
+      grouped = state_stacked or jax.default_backend() != "cpu"
+    else:
+      state_stacked = group_leaves == STACKED
+      grouped = bool(group_leaves)
     groups = leaf_groups(plans, grads, GROUP_MAX_ELEMENTS if grouped else None)
     for indices in groups:
       if state_stacked and len(indices) > 1:
@@ -1287,9 +1311,14 @@ def scale_by_skewadam(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _tree_difference(paths: list[str], field) -> str:
-  """Which paths are only in the updates and which only in the state, for errors."""
-  state_paths, _, _ = labels_lib.flatten_with_paths(field)
+def _tree_difference(updates, field) -> str:
+  """Which paths are only in the updates and which only in the state, for errors.
+
+  ``optax.MaskedNode`` counts as a leaf on both sides: a stacked group's later
+  leaves (in the state) and ``optax.masked``'s holes (in both) are paths too.
+  """
+  paths, _, _ = labels_lib.flatten_with_paths(updates, is_leaf=_is_masked)
+  state_paths, _, _ = labels_lib.flatten_with_paths(field, is_leaf=_is_masked)
   only_updates = [p for p in paths if p not in set(state_paths)]
   only_state = [p for p in state_paths if p not in set(paths)]
   if not only_updates and not only_state:

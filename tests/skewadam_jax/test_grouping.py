@@ -173,3 +173,30 @@ def test_a_stacked_state_under_optax_masked_steps_as_the_grouped_one():
     (u1, states[0]), (u2, states[1]) = (jax.jit(tx.update)(g, s)
                                         for tx, s in zip(txs, states))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), u1, u2)
+
+
+def _layout(state):
+  """Each state leaf's shape and dtype, or "masked" for an optax.MaskedNode."""
+  return jax.tree.leaves(jax.tree.map(
+      lambda x: "masked" if isinstance(x, optax.MaskedNode) else (x.shape, str(x.dtype)),
+      state, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+
+
+def test_auto_stacks_the_state_off_the_cpu_and_continues_either_layout(monkeypatch):
+  tree = _per_expert_tree(2)
+  kw = dict(param_labels=sa.label_fn("hf"))
+  auto = sa.scale_by_skewadam(**kw)
+  stacked, alone = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in ("stacked", False))
+  with monkeypatch.context() as patch:  # on a CPU: leaf by leaf
+    patch.setattr(jax, "default_backend", lambda: "cpu")
+    assert _layout(auto.init(tree)) == _layout(alone.init(tree))
+  with monkeypatch.context() as patch:
+    patch.setattr(jax, "default_backend", lambda: "gpu")
+    assert _layout(auto.init(tree)) == _layout(stacked.init(tree))
+    assert _layout(auto.init(tree)) != _layout(alone.init(tree))
+  # A state made on either backend is stepped in its own layout, as its own setting steps it.
+  for tx in (stacked, alone):
+    state, grads = tx.init(tree), _grads(tree, 0)
+    (u_auto, s_auto), (u, state) = auto.update(grads, state), tx.update(grads, state)
+    assert _layout(s_auto) == _layout(state)
+    jax.tree.map(np.testing.assert_array_equal, (u_auto, s_auto), (u, state))

@@ -247,7 +247,8 @@ def test_per_expert_2d_leaves_get_the_expert_tiers_forms():
   # Hugging Face Mixtral style: one 2-D matrix per expert.
   tree = {"moe": {"experts": {"0": {"w1": jnp.zeros((8, 6))}, "1": {"w1": jnp.zeros((8, 6))}},
                   "router": jnp.zeros((8, 2))}}
-  state = sa.scale_by_skewadam().init(tree)
+  # Leaf by leaf, the default on the CPU (off it the two experts' state is stacked).
+  state = sa.scale_by_skewadam(group_leaves=False).init(tree)
   w1 = lambda field: getattr(state, field)["moe"]["experts"]["0"]["w1"]
   assert (w1("mu").dtype, w1("mu").shape) == (jnp.uint8, (8, 1))     # sign bits
   assert w1("nu_row").shape == (8, 1) and w1("nu_col").shape == (1, 6)
