@@ -6,6 +6,7 @@
 # momentum's, experiments/expert_momentum.sh) re-run at seed 0 with
 # only the warmup changed from the comparison's 10 % (160 steps), one coordinate
 # of a coordinate descent (rate, then warmup). ROWS picks some ("muon-60"; empty: none);
+# a row "CONTENDER-WARMUP-seedN" is that row at seed N (a tuned point's other seeds);
 # each is about 30 min alone on 2 CPU cores, 45 min beside another. A finished
 # row is not trained again; the table is rewritten from whatever has finished.
 set -euo pipefail
@@ -14,7 +15,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RUNS=experiments/results/tune-warmup-runs
 source experiments/runs_folder.sh
 runs_folder "$RUNS"
-BASE=("${LONG_RUN[@]}" --seed 0 --no-progress)
+BASE=("${LONG_RUN[@]}" --no-progress)
 declare -A FLAGS=(  # each contender at its 1600-step rate
   [skewadam]="--optimizer skewadam --lr 0.0135 --expert-momentum sign"
   # the rank-16 expert momentum (experiments/expert_momentum.sh), its rate swept there
@@ -28,13 +29,15 @@ declare -A BASELINE=(  # each contender's seed-0 run with the 160-step warmup
   [muon]=experiments/results/compare-long-runs/muon-sweep-lr1.50e-02
   [adamw]=experiments/results/compare-long-runs/adamw-sweep-lr4.50e-03
 )
-for row in ${ROWS-skewadam-60 lowrank-60 muon-60 adamw-60 lowrank-320 muon-320 adamw-320 adamw-640 skewadam-320}; do
-  contender=${row%-*} warmup=${row##*-}
+for row in ${ROWS-skewadam-60 lowrank-60 muon-60 adamw-60 lowrank-320 muon-320 adamw-320 adamw-640 skewadam-320 adamw-640-seed1 adamw-640-seed2}; do
+  seed=0 point=$row
+  if [[ $row == *-seed* ]]; then seed=${row##*-seed} point=${row%-seed*}; fi
+  contender=${point%-*} warmup=${point##*-}
   if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
     continue
   fi
   # shellcheck disable=SC2086
-  "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$contender]} --warmup-steps "$warmup" \
+  "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$contender]} --warmup-steps "$warmup" --seed "$seed" \
       --out "$RUNS/$row"
 done
 # rewrites the committed experiments/results/tune-warmup.md: one table a contender
@@ -47,4 +50,17 @@ done
     "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "${BASELINE[$contender]}"
     echo
   done
+  # each point that has other seeds: its mean and spread over seeds 0 to N
+  "$PYTHON" - "$RUNS" <<'PY'
+import json, pathlib, statistics, sys
+runs = pathlib.Path(sys.argv[1])
+done = lambda d: (d / "summary.json").exists() and json.loads(  # noqa: E731
+    (d / "summary.json").read_text()).get("completed")
+for point in sorted({d.name.rsplit("-seed", 1)[0] for d in runs.glob("*-seed*") if done(d)}):
+  dirs = [runs / point] + sorted(runs.glob(f"{point}-seed*"))
+  ppl = [json.loads((d / "summary.json").read_text())["val_ppl"] for d in dirs if done(d)]
+  print(f"`{point}` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f} ± "
+        f"{statistics.stdev(ppl):.2f} (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
+  print()
+PY
 } > experiments/results/tune-warmup.md
