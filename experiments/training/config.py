@@ -86,7 +86,10 @@ class TrainConfig:
                                   "steps spent in the final decay", structural=True)
   weight_decay: float = setting(0.1, "decoupled weight decay on matrices", structural=True)
   b1: float = setting(0.9, "first-moment decay of AdamW, of every SkewAdam tier and of "
-                      "Muon's AdamW part (Muon's own momentum keeps 0.95)", structural=True)
+                      "Muon's AdamW part (Muon's own momentum is --muon-momentum)",
+                      structural=True)
+  muon_momentum: float = setting(0.95, "Muon's own momentum on the matrices it "
+                                 "orthogonalises (optax.contrib.muon's beta)", structural=True)
   clip_norm: float = setting(1.0, "global gradient-norm clipping threshold",
                              structural=True)
   seed: int = setting(0, "seed of the parameters and the batch order", structural=True)
@@ -339,6 +342,8 @@ class TrainConfig:
                        "(--param-dtype bfloat16)")
     if not 0.0 <= self.b1 < 1.0:
       raise ValueError(f"--b1 must be in [0, 1), got {self.b1}")
+    if not 0.0 <= self.muon_momentum < 1.0:
+      raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
     if self.skip_nonfinite < 0:
       raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
     if not 0 < self.val_fraction < 1:
@@ -626,7 +631,8 @@ def tiers_from_args(args) -> dict:
 SECTIONS = {
     "model": ("preset", *MODEL_FIELDS, "moe_impl", "param_dtype", *MODEL_OPTIONS),
     "optimizer": ("optimizer", "lr", "schedule", "warmup_steps", "decay_fraction",
-                  "weight_decay", "b1", "clip_norm", "stochastic_rounding", "skip_nonfinite",
+                  "weight_decay", "b1", "muon_momentum", "clip_norm", "stochastic_rounding",
+                  "skip_nonfinite",
                   *TIER_FIELDS),
     "data": ("data", "val_fraction", "batch_size", "seq_len"),
     "parallel": ("mesh", "fsdp"),

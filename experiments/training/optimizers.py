@@ -260,7 +260,8 @@ def with_fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransform
 
 def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: float = 0.1,
                    clip_norm: float = 1.0, skewadam_tiers: dict | None = None,
-                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+                   b1: float = 0.9, b2: float = 0.95,
+                   muon_momentum: float = 0.95) -> optax.GradientTransformation:
   """Builds optimizer ``name`` with global-norm clipping in front.
 
   Args:
@@ -272,6 +273,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
     skewadam_tiers: ``{"backbone": ..., "expert": ..., "router": ...}``
       ``TierConfig``s (or dicts) for SkewAdam; defaults otherwise.
     b1, b2: Adam-family moment decays (AdamW, SkewAdam, Muon's AdamW part).
+    muon_momentum: Muon's own momentum on the matrices it orthogonalises
+      (``optax.contrib.muon``'s ``beta``, whose default it is).
 
   Raises:
     ValueError: for an unknown name.
@@ -296,8 +299,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
     dims = muon_dimension_numbers(axes)
     label = per_path({p: "muon" if orthogonalized(n) else "adam" for p, n in axes.items()})
     tx = optax.partition({
-        "muon": muon(learning_rate, weight_decay=weight_decay, weight_decay_mask=mask,
-                     muon_weight_dimension_numbers=dims),
+        "muon": muon(learning_rate, beta=muon_momentum, weight_decay=weight_decay,
+                     weight_decay_mask=mask, muon_weight_dimension_numbers=dims),
         "adam": optax.adamw(learning_rate, b1=b1, b2=b2, eps=1e-8,
                             weight_decay=weight_decay, mask=mask, nesterov=True),
     }, label)

@@ -74,7 +74,8 @@ def make_tx(config, axes, schedule=None) -> optax.GradientTransformation:
   """
   schedule = learning_rate_schedule(config) if schedule is None else schedule
   settings = dict(learning_rate=schedule, weight_decay=config.weight_decay,
-                  skewadam_tiers=config.skewadam_tiers(), b1=config.b1)
+                  skewadam_tiers=config.skewadam_tiers(), b1=config.b1,
+                  muon_momentum=config.muon_momentum)
   if config.update_in_backward:
     return optimizers.make_optimizer(config.optimizer, axes=model_layerwise.slice_axes(axes),
                                      clip_norm=0, **settings)

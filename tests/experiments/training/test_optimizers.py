@@ -119,3 +119,26 @@ def test_skewadam_orthogonal_is_the_training_commands_orthogonal_row():
         update(tx, grads, s, params) for tx, s in zip((train, alias), states))
     for a, b in zip(jax.tree.leaves(u_train), jax.tree.leaves(u_alias)):
       np.testing.assert_array_equal(a, b)
+
+
+def test_muon_momentum_is_muons_own_beta():
+  # --muon-momentum reaches optax.contrib.muon's beta: Muon's part of the tree
+  # equals optax's muon built with that beta by hand; 0.95 is optax's default.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from optax.contrib import muon  # pylint: disable=import-outside-toplevel
+  axes = {"w": ("embed", "mlp")}
+  params = {"w": jnp.ones((4, 6))}
+  dims = optimizers.muon_dimension_numbers(axes)
+  grads = [{"w": jax.random.normal(jax.random.key(s), (4, 6))} for s in range(2)]
+  for beta in (0.95, 0.5):
+    ours = optimizers.make_optimizer("muon", learning_rate=0.1, axes=axes, weight_decay=0.0,
+                                     clip_norm=0, muon_momentum=beta)
+    reference = muon(0.1, beta=beta, muon_weight_dimension_numbers=dims)
+    states = [ours.init(params), reference.init(params)]
+    for g in grads:
+      (u, states[0]), (want, states[1]) = (tx.update(g, s, params)
+                                           for tx, s in zip((ours, reference), states))
+    assert jnp.allclose(u["w"], want["w"], rtol=1e-5, atol=1e-6), beta
+  with pytest.raises(ValueError, match="--muon-momentum must be in"):
+    TrainConfig(muon_momentum=1.0).validate()

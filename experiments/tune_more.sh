@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# #42's third coordinate, after the rate (swept at 1600 steps) and the warmup
+# (experiments/tune_warmup.sh): the momentum, each contender at its tuned point,
+# seed 0, against its own seed-0 run there: b1 0.9 -> 0.95 for the rank-16
+# momentum and AdamW (Muon's own 0.95), Muon's momentum 0.95 -> 0.9. A row
+# is "CONTENDER-FLAG-VALUE" (e.g. "lowrank-b1-0.95", "muon-muon-momentum-0.9",
+# "muon-weight-decay-0.05": the training command's --FLAG VALUE), or
+# "...-seedN" for that row at seed N.
+# ROWS picks them (empty: none, only the table). A finished row is not trained
+# again; the table is rewritten from whatever has finished. About 17 min a row
+# alone on this 2-core CPU (AdamW about 10).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+RUNS=experiments/results/tune-more-runs
+source experiments/runs_folder.sh
+runs_folder "$RUNS"
+BASE=("${LONG_RUN[@]}" --no-progress)
+declare -A FLAGS=(  # each contender at its tuned point: rate, then warmup (tune-warmup.md)
+  [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
+  [muon]="--optimizer muon --lr 0.015 --warmup-steps 160"
+  [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640"
+)
+declare -A BASELINE=(  # each contender's seed-0 run at its tuned point
+  [lowrank]=experiments/results/expert-momentum-runs/lowrank-16
+  [muon]=experiments/results/compare-long-runs/muon-sweep-lr1.50e-02
+  [adamw]=experiments/results/tune-warmup-runs/adamw-640
+)
+for row in ${ROWS-}; do
+  seed=0 point=$row
+  if [[ $row == *-seed* ]]; then seed=${row##*-seed} point=${row%-seed*}; fi
+  contender=${point%%-*} value=${point##*-}
+  flag=${point#"$contender"-}; flag=${flag%-"$value"}
+  if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
+    continue
+  fi
+  # shellcheck disable=SC2086
+  "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$contender]} "--$flag" "$value" \
+      --seed "$seed" --out "$RUNS/$row"
+done
+# rewrites the committed experiments/results/tune-more.md: one table a contender
+{
+  for contender in lowrank muon adamw; do
+    finished=$(ls -d "$RUNS/$contender"-*/ 2>/dev/null | paste -sd, -)
+    [ -n "$finished" ] || continue
+    echo "### $contender"
+    echo
+    "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "${BASELINE[$contender]}"
+    echo
+  done
+} > experiments/results/tune-more.md
