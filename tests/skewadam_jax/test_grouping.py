@@ -200,3 +200,13 @@ def test_auto_stacks_the_state_off_the_cpu_and_continues_either_layout(monkeypat
     (u_auto, s_auto), (u, state) = auto.update(grads, state), tx.update(grads, state)
     assert _layout(s_auto) == _layout(state)
     jax.tree.map(np.testing.assert_array_equal, (u_auto, s_auto), (u, state))
+
+
+def test_a_changed_tree_names_a_stacked_group_s_later_leaves_too():
+  # A stacked group's later leaves hold optax.MaskedNode: still paths of the state.
+  tx = sa.scale_by_skewadam(param_labels="backbone", group_leaves="stacked")
+  state = tx.init({"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4))})
+  assert isinstance(state.mu["b"], optax.MaskedNode)
+  with pytest.raises(ValueError, match=r"\(2 leaves\).*\(2 leaves in its 'mu' field\): paths "
+                                       r"only in the updates \['c'\], only in the state \['b'\]"):
+    tx.update({"a": jnp.ones((4, 4)), "c": jnp.ones((4, 4))}, state)
