@@ -656,10 +656,12 @@ def runs_table(run_dirs: Sequence[str | os.PathLike], baseline: str | os.PathLik
     # read by another optimizer (a flag's default and compare's saved value differ).
     unread = (set(config_lib.TIER_FIELDS) if summary["config"].get("optimizer") != "skewadam"
               else set())
+    # A baseline saved before a setting existed ran with its default.
+    base_config = with_defaults(base["config"])
     changed = [f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                for key, value in summary["config"].items()
                if key not in _LOGISTICS | unread and value is not None
-               and not _same(base["config"].get(key), value)]
+               and not _same(base_config.get(key), value)]
     lines.append(f"| `{pathlib.Path(path).name}` | {', '.join(changed) or 'none'} "
                  f"| {summary['val_ppl']:.2f} | {summary['val_ppl'] - base['val_ppl']:+.2f} "
                  f"| {state_gb(summary):.3f} GB |")

@@ -395,21 +395,25 @@ def test_runs_table_says_what_each_run_changes_from_the_baseline(tmp_path, capsy
       optimizer="skewadam", lr=0.5 * 0.027, backbone_direction="orthogonal",
       expert_direction="orthogonal"))
 
-  def run(name, ppl, completed=True, **changes):
+  def run(name, ppl, completed=True, predates=(), **changes):
     folder = tmp_path / name
     folder.mkdir()
+    config = {key: value for key, value in {**base_config, "seed": 0, **changes}.items()
+              if key not in predates}
     (folder / "summary.json").write_text(json.dumps(
-        {"completed": completed, "val_ppl": ppl,
-         "config": {**base_config, "seed": 0, **changes}}))
+        {"completed": completed, "val_ppl": ppl, "config": config}))
     return str(folder)
 
-  baseline = run("base", 59.87)
+  # Saved before --muon-momentum existed: it ran with the default, 0.95.
+  baseline = run("base", 59.87, predates=("muon_momentum",))
   rows = [run("rest", 59.0, lr=0.0135, orthogonal_rest_tier="router"),  # the same rate
-          run("b1", 61.0, b1=0.95, eval_every=7)]                      # logging is no change
+          run("b1", 61.0, b1=0.95, eval_every=7),                      # logging is no change
+          run("muon-momentum", 60.0, muon_momentum=0.9)]
   assert compare.main(["--runs-table", ",".join(rows), "--baseline", baseline]) == 0
   out = capsys.readouterr().out
   assert "| `rest` | orthogonal_rest_tier=router | 59.00 | -0.87 | 1.622 GB |" in out
   assert "| `b1` | b1=0.95 | 61.00 | +1.13 | 1.219 GB |" in out
+  assert "| `muon-momentum` | muon_momentum=0.9 | 60.00 | +0.13 | 1.219 GB |" in out
   assert "(validation perplexity 59.87, state at moe-6.78b 1.219 GB)" in out
   unfinished = run("unfinished", 70.0, completed=False)
   assert compare.main(["--runs-table", unfinished, "--baseline", baseline]) == 2
