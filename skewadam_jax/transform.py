@@ -1265,13 +1265,14 @@ def scale_by_skewadam(
     plans = plans_for(updates)
     count = optax.safe_increment(state.count)
     parts = [{name: field_leaves[name][i] for name in FIELDS} for i in range(len(grads))]
+    stack_groups = leaf_groups(plans, grads)  # the groups, when leaves are grouped
     if group_leaves == "auto":  # the layout the state was made with, on whichever backend
-      state_stacked = _holds_stacked_groups(leaf_groups(plans, grads), parts)
+      state_stacked = _holds_stacked_groups(stack_groups, parts)
       grouped = state_stacked or jax.default_backend() != "cpu"
     else:
       state_stacked = group_leaves == STACKED
       grouped = bool(group_leaves)
-    groups = leaf_groups(plans, grads, GROUP_MAX_ELEMENTS if grouped else None)
+    groups = stack_groups if grouped else leaf_groups(plans, grads, None)
     for indices in groups:
       if state_stacked and len(indices) > 1:
         _check_group_parts(paths, indices, plans, grads, parts)
