@@ -38,9 +38,7 @@ declare -A FLAGS=(
   [lowrank-20-seed2]="--expert-momentum lowrank --expert-lowrank-rank 20 --seed 2"
 )
 for row in ${ROWS-lowrank-2 lowrank-16 none}; do
-  if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
-    continue
-  fi
+  finished "$RUNS/$row" && continue
   # shellcheck disable=SC2086
   "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$row]} --out "$RUNS/$row"
 done

@@ -27,25 +27,17 @@ declare -A BASELINE=(  # each contender's seed-0 run at its tuned point
   [adamw]=experiments/results/tune-warmup-runs/adamw-640
 )
 for row in ${ROWS-}; do
-  seed=0 point=$row
-  if [[ $row == *-seed* ]]; then seed=${row##*-seed} point=${row%-seed*}; fi
+  seed=$(row_seed "$row") point=$(row_point "$row")
   contender=${point%%-*} value=${point##*-}
   flag=${point#"$contender"-}; flag=${flag%-"$value"}
-  if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
-    continue
-  fi
+  finished "$RUNS/$row" && continue
   # shellcheck disable=SC2086
   "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$contender]} "--$flag" "$value" \
       --seed "$seed" --out "$RUNS/$row"
 done
-# rewrites the committed experiments/results/tune-more.md: one table a contender
+# rewrites the committed experiments/results/tune-more.md: one table a contender, then
+# each point that has other seeds: its mean and spread over them
 {
-  for contender in lowrank muon adamw; do
-    finished=$(ls -d "$RUNS/$contender"-*/ 2>/dev/null | paste -sd, -)
-    [ -n "$finished" ] || continue
-    echo "### $contender"
-    echo
-    "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "${BASELINE[$contender]}"
-    echo
-  done
+  contender_tables "$RUNS" lowrank muon adamw
+  seed_means "$RUNS"
 } > experiments/results/tune-more.md

@@ -30,37 +30,16 @@ declare -A BASELINE=(  # each contender's seed-0 run with the 160-step warmup
   [adamw]=experiments/results/compare-long-runs/adamw-sweep-lr4.50e-03
 )
 for row in ${ROWS-skewadam-60 lowrank-60 muon-60 adamw-60 lowrank-320 muon-320 adamw-320 adamw-640 skewadam-320 adamw-640-seed1 adamw-640-seed2}; do
-  seed=0 point=$row
-  if [[ $row == *-seed* ]]; then seed=${row##*-seed} point=${row%-seed*}; fi
+  seed=$(row_seed "$row") point=$(row_point "$row")
   contender=${point%-*} warmup=${point##*-}
-  if [ -f "$RUNS/$row/summary.json" ] && grep -q '"completed": true' "$RUNS/$row/summary.json"; then
-    continue
-  fi
+  finished "$RUNS/$row" && continue
   # shellcheck disable=SC2086
   "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$contender]} --warmup-steps "$warmup" --seed "$seed" \
       --out "$RUNS/$row"
 done
-# rewrites the committed experiments/results/tune-warmup.md: one table a contender
+# rewrites the committed experiments/results/tune-warmup.md: one table a contender, then
+# each point that has other seeds: its mean and spread over them
 {
-  for contender in skewadam lowrank muon adamw; do
-    finished=$(ls -d "$RUNS/$contender"-*/ 2>/dev/null | paste -sd, -)
-    [ -n "$finished" ] || continue
-    echo "### $contender"
-    echo
-    "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "${BASELINE[$contender]}"
-    echo
-  done
-  # each point that has other seeds: its mean and spread over seeds 0 to N
-  "$PYTHON" - "$RUNS" <<'PY'
-import json, pathlib, statistics, sys
-runs = pathlib.Path(sys.argv[1])
-done = lambda d: (d / "summary.json").exists() and json.loads(  # noqa: E731
-    (d / "summary.json").read_text()).get("completed")
-for point in sorted({d.name.rsplit("-seed", 1)[0] for d in runs.glob("*-seed*") if done(d)}):
-  dirs = [runs / point] + sorted(runs.glob(f"{point}-seed*"))
-  ppl = [json.loads((d / "summary.json").read_text())["val_ppl"] for d in dirs if done(d)]
-  print(f"`{point}` over seeds 0 to {len(ppl) - 1}: {statistics.mean(ppl):.2f} ± "
-        f"{statistics.stdev(ppl):.2f} (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
-  print()
-PY
+  contender_tables "$RUNS" skewadam lowrank muon adamw
+  seed_means "$RUNS"
 } > experiments/results/tune-warmup.md

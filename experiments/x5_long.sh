@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# #42's second scale at the long horizon: `small-x5` (experiments/configs/small-x5.toml,
+# 22,560,000 parameters, 5x small's) at 1600 steps, each contender at its tuned point
+# on `small` (rate swept at 1600 steps, then warmup and momentum: tune-warmup.md,
+# tune-more.md; no sweep at this scale): the training command's default (the
+# orthogonal tiers, rank-16 expert momentum), Muon and AdamW. A row is CONTENDER
+# (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
+# A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
+# so each checkpoints every 100 steps and goes on from its last checkpoint when the
+# script is run again after an interruption (a signal, a session's end). A finished
+# row is not trained again, and its checkpoints are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+RUNS=experiments/results/x5-long-runs
+source experiments/runs_folder.sh
+runs_folder "$RUNS"
+BASE=("${LONG_RUN[@]}" --config experiments/configs/small-x5.toml --no-progress
+      --ckpt-every 100 --resume)
+declare -A FLAGS=(  # each contender at its tuned point on small
+  [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
+  [muon]="--optimizer muon --lr 0.015 --warmup-steps 160"
+  [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640"
+)
+for row in ${ROWS-}; do
+  if ! finished "$RUNS/$row"; then
+    # shellcheck disable=SC2086
+    "$PYTHON" -m experiments.train "${BASE[@]}" ${FLAGS[$(row_point "$row")]} \
+        --seed "$(row_seed "$row")" --out "$RUNS/$row"
+  fi
+  rm -rf "$RUNS/$row/ckpt"
+done
+# rewrites the committed experiments/results/x5-long.md: every finished row against
+# Muon's seed 0, then each contender's mean and spread over its seeds
+if finished "$RUNS/muon"; then
+  finished=
+  for dir in "$RUNS"/*/; do
+    if finished "$dir"; then finished+=${finished:+,}$dir; fi
+  done
+  {
+    "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "$RUNS/muon"
+    echo
+    seed_means "$RUNS"
+  } > experiments/results/x5-long.md
+fi
