@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# #42's third coordinate, after the rate (swept at 1600 steps) and the warmup
-# (experiments/tune_warmup.sh): the momentum, each contender at its tuned point,
-# seed 0, against its own seed-0 run there: b1 0.9 -> 0.95 for the rank-16
-# momentum and AdamW (Muon's own 0.95), Muon's momentum 0.95 -> 0.9. A row
-# is "CONTENDER-FLAG-VALUE" (e.g. "lowrank-b1-0.95", "muon-muon-momentum-0.9",
-# "muon-weight-decay-0.05": the training command's --FLAG VALUE), or
-# "...-seedN" for that row at seed N.
+# #42's third and fourth coordinates, after the rate (swept at 1600 steps) and the
+# warmup (experiments/tune_warmup.sh), each contender at its tuned point, seed 0,
+# against its own seed-0 run there: the momentum (b1 0.95 and 0.85 for the rank-16
+# momentum and AdamW; Muon's own momentum 0.9 and 0.98) and the weight decay (0.05
+# and 0.2 against 0.1, one step further where the edge improved). A row is
+# "CONTENDER-FLAG-VALUE" (e.g. "lowrank-b1-0.95", "muon-muon-momentum-0.9",
+# "muon-weight-decay-0.2": the training command's --FLAG VALUE), or "...-seedN"
+# for that row at seed N (a new tuned point's other seeds).
 # ROWS picks them (empty: none, only the table). A finished row is not trained
 # again; the table is rewritten from whatever has finished. About 17 min a row
 # alone on this 2-core CPU (AdamW about 10).
