@@ -6,6 +6,7 @@ import io
 import json
 import pathlib
 import re
+import statistics
 
 import pytest
 
@@ -103,8 +104,21 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"the default before rank 16, {_ppl(signs)} with "
           f"{signs['opt_state_bytes_6p78b'] / 1e9:.3f} GB ({_ppl(safe_signs)} on 0.3.0's") in text
   gap = default["val_ppl_mean"] - muon["val_ppl_mean"]
-  assert f"the default ties Muon**, {gap:.2f} above its mean" in text
+  assert f"On the rate alone the default tied Muon ({gap:.2f} above its mean, within" in text
   assert gap < min(default["val_ppl_std"], muon["val_ppl_std"])  # "within either spread"
+  # Muon at its tuned point (tune_more.sh: weight decay 0.2, seeds 0 to 2) against the
+  # default over every seed finalists.sh has (expert_momentum.sh's seeds 0 to 2, then 3, 4).
+  val_ppl = lambda d: json.loads((RESULTS / d / "summary.json").read_text())["val_ppl"]  # noqa: E731
+  tuned_muon = [val_ppl(f"tune-more-runs/muon-weight-decay-0.2{s}") for s in ("", "-seed1", "-seed2")]
+  seeds = [val_ppl(f"expert-momentum-runs/lowrank-16{s}") for s in ("", "-seed1", "-seed2")]
+  seeds += [val_ppl(f"finalists-runs/{d.name}") for d in sorted((RESULTS / "finalists-runs").glob(
+      "lowrank-seed*")) if (d / "summary.json").exists()]
+  ppl_text = lambda xs: f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}"  # noqa: E731
+  assert f"Muon (weight decay 0.2: {ppl_text(tuned_muon)} over 3 seeds)" in text
+  lead = statistics.mean(seeds) - statistics.mean(tuned_muon)
+  assert f"Muon at its tuned point leads the default by {lead:.2f}**" in text
+  assert f"(the default over {len(seeds)} seeds: {ppl_text(seeds)};" in text
+  assert lead > 2 * max(statistics.stdev(seeds), statistics.stdev(tuned_muon))  # "2.36x"
   assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
   assert f"Adam's direction in every tier, {_ppl(adam)} at" in text
