@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # #42's second scale at the long horizon: `small-x5` (experiments/configs/small-x5.toml,
 # 22,560,000 parameters, 5x small's) at 1600 steps, each contender at its tuned point
-# on `small` (rate swept at 1600 steps, then warmup and momentum: tune-warmup.md,
-# tune-more.md; no sweep at this scale): the training command's default (the
+# on `small` (rate swept at 1600 steps, then warmup, momentum and weight decay:
+# tune-warmup.md, tune-more.md; no sweep at this scale): the training command's default (the
 # orthogonal tiers, rank-16 expert momentum), Muon and AdamW. A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
@@ -17,10 +17,10 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --config experiments/configs/small-x5.toml --no-progress
       --ckpt-every 100 --resume)
-declare -A FLAGS=(  # each contender at its tuned point on small
+declare -A FLAGS=(  # each contender at its tuned point on small (AdamW's weight decay: 0.2 of 0.05, 0.1, 0.2 so far)
   [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
-  [muon]="--optimizer muon --lr 0.015 --warmup-steps 160"
-  [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640"
+  [muon]="--optimizer muon --lr 0.015 --warmup-steps 160 --weight-decay 0.2"
+  [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640 --weight-decay 0.2"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then
