@@ -4,6 +4,7 @@ results files'; CI runs its test command."""
 import contextlib
 import io
 import json
+import math
 import pathlib
 import re
 import statistics
@@ -106,19 +107,26 @@ def test_the_figures_at_a_glance_are_the_results_files():
   gap = default["val_ppl_mean"] - muon["val_ppl_mean"]
   assert f"On the rate alone the default tied Muon ({gap:.2f} above its mean, within" in text
   assert gap < min(default["val_ppl_std"], muon["val_ppl_std"])  # "within either spread"
-  # Muon at its tuned point (tune_more.sh: weight decay 0.2, seeds 0 to 2) against the
-  # default over every seed finalists.sh has (expert_momentum.sh's seeds 0 to 2, then 3, 4).
+  # The two finalists over every seed finalists.sh has: seeds 0 to 2 from the studies
+  # (Muon at its tuned point: tune_more.sh, weight decay 0.2; the default:
+  # expert_momentum.sh), then finalists.sh's seeds 3 and 4.
   val_ppl = lambda d: json.loads((RESULTS / d / "summary.json").read_text())["val_ppl"]  # noqa: E731
+  more = lambda name: [val_ppl(f"finalists-runs/{d.name}") for d in sorted(  # noqa: E731
+      (RESULTS / "finalists-runs").glob(f"{name}-seed*")) if (d / "summary.json").exists()]
   tuned_muon = [val_ppl(f"tune-more-runs/muon-weight-decay-0.2{s}") for s in ("", "-seed1", "-seed2")]
+  tuned_muon += more("muon")
   seeds = [val_ppl(f"expert-momentum-runs/lowrank-16{s}") for s in ("", "-seed1", "-seed2")]
-  seeds += [val_ppl(f"finalists-runs/{d.name}") for d in sorted((RESULTS / "finalists-runs").glob(
-      "lowrank-seed*")) if (d / "summary.json").exists()]
+  seeds += more("lowrank")
   ppl_text = lambda xs: f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}"  # noqa: E731
-  assert f"Muon (weight decay 0.2: {ppl_text(tuned_muon)} over 3 seeds)" in text
+  assert f"Muon (weight decay 0.2: {ppl_text(tuned_muon)} over {len(tuned_muon)} seeds)" in text
   lead = statistics.mean(seeds) - statistics.mean(tuned_muon)
-  assert f"Muon at its tuned point leads the default by {lead:.2f}**" in text
+  spread = max(statistics.stdev(seeds), statistics.stdev(tuned_muon))
+  standard_error = math.hypot(statistics.stdev(seeds) / math.sqrt(len(seeds)),
+                              statistics.stdev(tuned_muon) / math.sqrt(len(tuned_muon)))
+  assert (f"Muon at its tuned point leads the default by {lead:.2f}**, {lead / spread:.2f}× the "
+          f"larger spread, {lead / standard_error:.2f} standard errors") in text
   assert f"(the default over {len(seeds)} seeds: {ppl_text(seeds)};" in text
-  assert lead > 2 * max(statistics.stdev(seeds), statistics.stdev(tuned_muon))  # "2.36x"
+  assert lead > 2 * spread  # "ordered": the comparison's rule
   assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
   assert f"Adam's direction in every tier, {_ppl(adam)} at" in text
