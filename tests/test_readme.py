@@ -126,6 +126,11 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"Muon at its tuned point leads the default by {lead:.2f}**, {lead / spread:.2f}× the "
           f"larger spread, {lead / standard_error:.2f} standard errors") in text
   assert f"(the default over {len(seeds)} seeds: {ppl_text(seeds)};" in text
+  # the default's weight-decay step over 3 seeds (tune_more.sh) against its seeds 0 to 2 at 0.1
+  decay_02 = [val_ppl(f"tune-more-runs/lowrank-weight-decay-0.2{s}") for s in ("", "-seed1", "-seed2")]
+  assert (f"the default did not (weight decay 0.2: {ppl_text(decay_02)} over 3 seeds, against "
+          f"{ppl_text(seeds[:3])} at 0.1)") in text
+  assert statistics.mean(decay_02) > statistics.mean(seeds[:3])  # "did not" move
   assert lead > 2 * spread  # "ordered": the comparison's rule
   assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
