@@ -17,7 +17,7 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --config experiments/configs/small-x5.toml --no-progress
       --ckpt-every 100 --resume)
-declare -A FLAGS=(  # each contender at its tuned point on small (AdamW's weight decay: 0.4, its best so far, still improving at the edge)
+declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md, tune-more.md)
   [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
   [muon]="--optimizer muon --lr 0.015 --warmup-steps 160 --weight-decay 0.2"
   [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640 --weight-decay 0.4"

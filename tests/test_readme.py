@@ -131,6 +131,9 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"the default did not (weight decay 0.2: {ppl_text(decay_02)} over 3 seeds, against "
           f"{ppl_text(seeds[:3])} at 0.1)") in text
   assert statistics.mean(decay_02) > statistics.mean(seeds[:3])  # "did not" move
+  tuned_adamw = [val_ppl(f"tune-more-runs/adamw-weight-decay-0.4{s}") for s in ("", "-seed1", "-seed2")]
+  assert f"weight decay 0.4: {ppl_text(tuned_adamw)} over 3 seeds; still last)" in text
+  assert statistics.mean(tuned_adamw) > statistics.mean(seeds)  # "still last"
   assert lead > 2 * spread  # "ordered": the comparison's rule
   assert (f"It chose this row ({_ppl(default)} at {default['opt_state_bytes_6p78b'] / 1e9:.3f} GB, "
           f"standard step {_gb('memory/skewadam.json', 'peak_bytes')})") in text
