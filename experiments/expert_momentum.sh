@@ -12,6 +12,10 @@
 #   lowrank-16-lr0.00675, lowrank-16-lr0.027   its rate at half and twice 1.35e-2 (seed 0)
 #   lowrank-20, lowrank-20-seed1, lowrank-20-seed2   the largest rank within the 1.29 GB
 #               budget (1.242 GB at moe-6.78b; rank 21: 1.287 GB), at rank 16's swept rate
+#   fp32        full-precision expert momentum (26.8 GB at moe-6.78b, far outside the
+#               budget): not a candidate but a measure of what the compression costs on
+#               today's defaults, beside Muon's fp32 momentum (the attribution's 57.35 row
+#               was on the defaults before 0.3.0)
 # ROWS picks some ("lowrank-2 none"; empty: none, only the table); each is about 45 min on 2 CPU cores beside
 # another. A finished row is not trained again.
 set -euo pipefail
@@ -36,6 +40,7 @@ declare -A FLAGS=(
   [lowrank-20]="--expert-momentum lowrank --expert-lowrank-rank 20"
   [lowrank-20-seed1]="--expert-momentum lowrank --expert-lowrank-rank 20 --seed 1"
   [lowrank-20-seed2]="--expert-momentum lowrank --expert-lowrank-rank 20 --seed 2"
+  [fp32]="--expert-momentum fp32"
 )
 for row in ${ROWS-lowrank-2 lowrank-16 none}; do
   finished "$RUNS/$row" && continue
