@@ -111,11 +111,12 @@ def test_the_figures_at_a_glance_are_the_results_files():
   # (Muon at its tuned point: tune_more.sh, weight decay 0.2; the default:
   # expert_momentum.sh), then finalists.sh's seeds 3 and 4.
   val_ppl = lambda d: json.loads((RESULTS / d / "summary.json").read_text())["val_ppl"]  # noqa: E731
+  first_three = lambda point: [val_ppl(f"{point}{s}") for s in ("", "-seed1", "-seed2")]  # noqa: E731
   more = lambda name: [val_ppl(f"finalists-runs/{d.name}") for d in sorted(  # noqa: E731
       (RESULTS / "finalists-runs").glob(f"{name}-seed*")) if (d / "summary.json").exists()]
-  tuned_muon = [val_ppl(f"tune-more-runs/muon-weight-decay-0.2{s}") for s in ("", "-seed1", "-seed2")]
+  tuned_muon = first_three("tune-more-runs/muon-weight-decay-0.2")
   tuned_muon += more("muon")
-  seeds = [val_ppl(f"expert-momentum-runs/lowrank-16{s}") for s in ("", "-seed1", "-seed2")]
+  seeds = first_three("expert-momentum-runs/lowrank-16")
   seeds += more("lowrank")
   ppl_text = lambda xs: f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}"  # noqa: E731
   assert f"Muon (weight decay 0.2: {ppl_text(tuned_muon)} over {len(tuned_muon)} seeds)" in text
@@ -127,11 +128,11 @@ def test_the_figures_at_a_glance_are_the_results_files():
           f"larger spread, {lead / standard_error:.2f} standard errors") in text
   assert f"(the default over {len(seeds)} seeds: {ppl_text(seeds)};" in text
   # the default's weight-decay step over 3 seeds (tune_more.sh) against its seeds 0 to 2 at 0.1
-  decay_02 = [val_ppl(f"tune-more-runs/lowrank-weight-decay-0.2{s}") for s in ("", "-seed1", "-seed2")]
+  decay_02 = first_three("tune-more-runs/lowrank-weight-decay-0.2")
   assert (f"the default did not (weight decay 0.2: {ppl_text(decay_02)} over 3 seeds, against "
           f"{ppl_text(seeds[:3])} at 0.1)") in text
   assert statistics.mean(decay_02) > statistics.mean(seeds[:3])  # "did not" move
-  tuned_adamw = [val_ppl(f"tune-more-runs/adamw-weight-decay-0.4{s}") for s in ("", "-seed1", "-seed2")]
+  tuned_adamw = first_three("tune-more-runs/adamw-weight-decay-0.4")
   assert f"weight decay 0.4: {ppl_text(tuned_adamw)} over 3 seeds; still last)" in text
   assert statistics.mean(tuned_adamw) > statistics.mean(seeds)  # "still last"
   assert lead > 2 * spread  # "ordered": the comparison's rule
