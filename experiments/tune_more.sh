@@ -6,7 +6,10 @@
 # and 0.2 against 0.1, one step further where the edge improved). A row is
 # "CONTENDER-FLAG-VALUE" (e.g. "lowrank-b1-0.95", "muon-muon-momentum-0.9",
 # "muon-weight-decay-0.2": the training command's --FLAG VALUE), or "...-seedN"
-# for that row at seed N (a new tuned point's other seeds).
+# for that row at seed N (a new tuned point's other seeds). Any flag of the training
+# command serves: "lowrank-update-clip-off" is the default without its update clip
+# (Adafactor's, on the leaves in Adam's direction with a factored v), a row of the
+# search for what separates the default from Muon (experiments/muon_gap.sh).
 # ROWS picks them (empty: none, only the table). A finished row is not trained
 # again; the table is rewritten from whatever has finished. About 17 min a row
 # alone on this 2-core CPU (AdamW about 10).
