@@ -8,7 +8,9 @@
 # so seeds 3 and 4 of both, decided before either was run and reported whatever
 # they give. A row is CONTENDER-seedN (N >= 3); ROWS picks them (empty:
 # none, only the table). About 17 min a run alone on 2 CPU cores, 19 beside another.
-# Seeds 0 to 2 are the runs the studies already hold (SEED_RUNS below).
+# Seeds 0 to 2 are the runs the studies already hold (SEED_RUNS below). The table also
+# sets a challenger beside Muon: muon_gap.sh's muon-scale row (the default with Muon's
+# width scaling at Muon's rate and weight decay), whose five seeds that script trains.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -39,9 +41,14 @@ SEED_RUNS = {  # seeds 0 to 2 at each tuned point (expert_momentum.sh, tune_more
     "muon": [R / "tune-more-runs" / d for d in ("muon-weight-decay-0.2",
                                                  "muon-weight-decay-0.2-seed1",
                                                  "muon-weight-decay-0.2-seed2")],
+    "muon-scale": [R / "muon-gap-runs" / ("muon-scale" + (f"-seed{s}" if s else ""))
+                   for s in range(5)],
 }
 NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default)",
-         "muon": "Muon (`optax.contrib.muon`), weight decay 0.2"}
+         "muon": "Muon (`optax.contrib.muon`), weight decay 0.2",
+         "muon-scale": "the default with Muon's width scaling, rate 1.5e-2, weight decay 0.2 "
+                       "(`muon_gap.sh`'s `muon-scale`)"}
+TEXT = {"lowrank": "The default", "muon-scale": "The default with Muon's scaling"}
 rows = {}
 print("| contender | seeds | val ppl by seed | mean ± std |\n|---|---|---|---|")
 for name, dirs in SEED_RUNS.items():
@@ -58,18 +65,20 @@ for name, dirs in SEED_RUNS.items():
                 "val_ppl_std": statistics.stdev(ppl.values()), "n": len(ppl)}
   print(f"| {NAMES[name]} | {len(ppl)} | {by_seed} | "
         f"{rows[name]['val_ppl_mean']:.2f} ± {rows[name]['val_ppl_std']:.2f} |")
-if len(rows) < 2:
-  print("\nNo ordering: a contender has fewer than two finished seeds.")
+if "muon" not in rows or not set(rows) & set(TEXT):
+  print("\nNo ordering: Muon or every SkewAdam row has fewer than two finished seeds.")
   sys.exit()
-a, b = rows["lowrank"], rows["muon"]
-spread = max(a["val_ppl_std"], b["val_ppl_std"])
-diff = a["val_ppl_mean"] - b["val_ppl_mean"]
-order, margin = comparison.ordering(a, b)
-error = math.sqrt(a["val_ppl_std"] ** 2 / a["n"] + b["val_ppl_std"] ** 2 / b["n"])
-print(f"\nThe default against Muon: difference {diff:+.2f}; by the comparison's rule "
-      f"(ordered above {comparison.NOISE_MULTIPLE}x the larger seed spread): {order} "
-      f"({margin:.2f}x). The difference is {abs(diff) / error:.2f} standard errors of a "
-      f"difference of means ({error:.2f}). #42's goal, below Muon's mean by more than "
-      f"the larger spread ({spread:.2f}): {'met' if -diff > spread else 'not met'}; "
-      f"at or below Muon's mean: {'yes' if diff <= 0 else 'no'}.")
+b = rows["muon"]
+for name in (n for n in TEXT if n in rows):
+  a = rows[name]
+  spread = max(a["val_ppl_std"], b["val_ppl_std"])
+  diff = a["val_ppl_mean"] - b["val_ppl_mean"]
+  order, margin = comparison.ordering(a, b)
+  error = math.sqrt(a["val_ppl_std"] ** 2 / a["n"] + b["val_ppl_std"] ** 2 / b["n"])
+  print(f"\n{TEXT[name]} against Muon: difference {diff:+.2f}; by the comparison's rule "
+        f"(ordered above {comparison.NOISE_MULTIPLE}x the larger seed spread): {order} "
+        f"({margin:.2f}x). The difference is {abs(diff) / error:.2f} standard errors of a "
+        f"difference of means ({error:.2f}). #42's goal, below Muon's mean by more than "
+        f"the larger spread ({spread:.2f}): {'met' if -diff > spread else 'not met'}; "
+        f"at or below Muon's mean: {'yes' if diff <= 0 else 'no'}.")
 PY
