@@ -13,7 +13,9 @@
 #               balance between the two differs and one rate cannot restore it
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
-# screened at seeds 0 and 1 before it gets seed 2. About 25 min a row on 2 CPU
+# screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
+# decided before its seed 2 finished, to set it beside the finalists' five seeds in
+# finalists.md, which reads them from here). About 25 min a row on 2 CPU
 # cores beside another run. A finished row is not trained again.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,8 @@
 # 22,560,000 parameters, 5x small's) at 1600 steps, each contender at its tuned point
 # on `small` (rate swept at 1600 steps, then warmup, momentum and weight decay:
 # tune-warmup.md, tune-more.md; no sweep at this scale): the training command's default (the
-# orthogonal tiers, rank-16 expert momentum), Muon and AdamW. A row is CONTENDER
+# orthogonal tiers, rank-16 expert momentum), Muon and AdamW, and muon_gap.sh's
+# challenger (muon-scale: Muon's width scaling at Muon's rate). A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
@@ -21,6 +22,9 @@ declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md
   [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
   [muon]="--optimizer muon --lr 0.015 --warmup-steps 160 --weight-decay 0.2"
   [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640 --weight-decay 0.4"
+  # the challenger from experiments/muon_gap.sh: the default with Muon's width scaling
+  # at Muon's rate and weight decay
+  [muon-scale]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then
