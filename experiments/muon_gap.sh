@@ -11,6 +11,11 @@
 #               step than Muon's at a like rate, while the Adam-direction leaves
 #               (embeddings, unembedding, router, vectors) move alike in both, so the
 #               balance between the two differs and one rate cannot restore it
+#   exact-v     an exact second moment for the backbone's leaves in Adam's direction
+#               (embeddings, unembedding; vectors have one already), as Muon's AdamW
+#               part keeps, in place of the factored one: with a dense momentum it is
+#               bounded, so it is not clipped either. 1.332 GB at moe-6.78b, just over
+#               the budget: a measure of what the factored v costs, not a candidate
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -27,6 +32,7 @@ BASE=("${LONG_RUN[@]}" --no-progress --optimizer skewadam --lr 0.0135 --warmup-s
       --expert-momentum lowrank --expert-lowrank-rank 16)
 declare -A FLAGS=(
   [muon-scale]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2"
+  [exact-v]="--backbone-second-moment exact"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
