@@ -127,7 +127,15 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"Muon at its tuned point leads the default by {lead:.2f}**, {lead / spread:.2f}× the "
           f"larger spread, {lead / standard_error:.2f} standard errors") in text
   assert f"(the default over {len(seeds)} seeds: {ppl_text(seeds)};" in text
-  # the default's weight-decay step over 3 seeds (tune_more.sh) against its seeds 0 to 2 at 0.1
+  # the default with one of Muon's choices (muon_gap.sh, seeds 0 to 4), and without its clip
+  muon_scale = first_three("muon-gap-runs/muon-scale")
+  muon_scale += [val_ppl(f"muon-gap-runs/muon-scale-seed{s}") for s in (3, 4)]
+  assert (f"do not close it ({ppl_text(muon_scale)} over 5 seeds, `muon-gap.md`), nor does the "
+          f"update clip off ({val_ppl('tune-more-runs/lowrank-update-clip-off'):.2f} at seed 0)") in text
+  # "do not close it": still behind Muon by more than 2 standard errors of the difference
+  behind = statistics.mean(muon_scale) - statistics.mean(tuned_muon)
+  assert behind > 2 * math.hypot(statistics.stdev(muon_scale) / math.sqrt(5),
+                                 statistics.stdev(tuned_muon) / math.sqrt(len(tuned_muon)))
   decay_02 = first_three("tune-more-runs/lowrank-weight-decay-0.2")
   assert (f"the default did not (weight decay 0.2: {ppl_text(decay_02)} over 3 seeds, against "
           f"{ppl_text(seeds[:3])} at 0.1)") in text
