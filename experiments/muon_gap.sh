@@ -16,6 +16,18 @@
 #               part keeps, in place of the factored one: with a dense momentum it is
 #               bounded, so it is not clipped either. 1.332 GB at moe-6.78b, just over
 #               the budget: a measure of what the factored v costs, not a candidate
+#   nesterov    Nesterov's momentum on the leaves in Adam's direction (embeddings,
+#               unembedding, router, vectors), as Muon's AdamW part has it
+#               (`optax.adamw(nesterov=True)`); the orthogonalised matrices have it in
+#               both. Same state: a candidate
+#   muon-like   the default made Muon by every setting the library has: Muon's scaling,
+#               rate and weight decay (as muon-scale), fp32 momentum in both tiers, the
+#               backbone's Adam-direction leaves in the router tier (fp32 m, exact v:
+#               AdamW's moments, as Muon's AdamW part) and Nesterov there. What is left
+#               is Muon's momentum on the matrices (0.95 against b1 = 0.9; Muon is flat
+#               from 0.9 to 0.98, tune-more.md) and the first steps' bias correction: if
+#               it reaches Muon, the gap is in the default's compressed state; if not, in
+#               what is left. 27 GB at moe-6.78b: a measure, not a candidate
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -33,6 +45,8 @@ BASE=("${LONG_RUN[@]}" --no-progress --optimizer skewadam --lr 0.0135 --warmup-s
 declare -A FLAGS=(
   [muon-scale]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2"
   [exact-v]="--backbone-second-moment exact"
+  [nesterov]="--nesterov on"
+  [muon-like]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue

@@ -212,6 +212,11 @@ class TrainConfig:
       None, "SkewAdam: count NaN, Inf and overflowing gradient entries as zero, on or off; "
       "default: the library's (on)", structural=True, choices=("on", "off"), kind=str,
       before="off")
+  nesterov: str | None = setting(
+      None, "SkewAdam: Nesterov's momentum on the leaves in Adam's direction (as "
+      "optax.adamw(nesterov=True), which Muon's AdamW part uses), on or off; the orthogonal "
+      "directions always use it; default: the library's (off)", structural=True,
+      choices=("on", "off"), kind=str)
   orthogonal_rest_tier: str | None = setting(
       None, "with an orthogonal backbone direction: the SkewAdam tier of the backbone "
       "leaves it leaves out (embeddings, unembedding, vectors): backbone (its compact "
@@ -304,6 +309,8 @@ class TrainConfig:
       tiers["clip_threshold"] = _clip_value(self.update_clip)
     if self.contain_nonfinite:
       tiers["contain_nonfinite"] = self.contain_nonfinite == "on"
+    if self.nesterov:
+      tiers["nesterov"] = self.nesterov == "on"
     return tiers
 
   def validate(self) -> None:
@@ -526,7 +533,7 @@ TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
                "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
-               "contain_nonfinite", "expert_lowrank_rank")
+               "contain_nonfinite", "nesterov", "expert_lowrank_rank")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
@@ -597,8 +604,8 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
     if tier == "clip_threshold":
       fields["update_clip"] = "off" if settings is None else str(settings)
       continue
-    if tier == "contain_nonfinite":
-      fields["contain_nonfinite"] = "on" if settings else "off"
+    if tier in ("contain_nonfinite", "nesterov"):
+      fields[tier] = "on" if settings else "off"
       continue
     for key, value in dict(settings).items():
       if key in ("orthogonal_chunk", "orthogonal_dtype", "momentum_rounding"):

@@ -109,9 +109,10 @@ def decay_mask(axes: Axes) -> Callable[[Any], Any]:
 # leaves the orthogonal direction leaves out (TrainConfig.orthogonal_rest_tier).
 REST_TIER = "orthogonal_rest_tier"
 # Keys of ``skewadam_tiers`` that are the library's keyword arguments, not
-# tiers: the update clip and the containment of non-finite gradient entries
-# (TrainConfig.update_clip, TrainConfig.contain_nonfinite).
-OPTION_KEYS = ("clip_threshold", "contain_nonfinite")
+# tiers: the update clip, the containment of non-finite gradient entries and
+# Nesterov's momentum in Adam's direction
+# (TrainConfig.update_clip, TrainConfig.contain_nonfinite, TrainConfig.nesterov).
+OPTION_KEYS = ("clip_threshold", "contain_nonfinite", "nesterov")
 
 
 def skewadam_options(skewadam_tiers: dict | None) -> dict:

@@ -142,3 +142,40 @@ def test_muon_momentum_is_muons_own_beta():
     assert jnp.allclose(u["w"], want["w"], rtol=1e-5, atol=1e-6), beta
   with pytest.raises(ValueError, match="--muon-momentum must be in"):
     TrainConfig(muon_momentum=1.0).validate()
+
+
+def test_nesterov_gives_adams_direction_optax_nesterov():
+  # --nesterov on reaches the library: a backbone leaf with AdamW's moments
+  # (fp32 m, exact v) steps as optax.adamw(nesterov=True) does, clip included,
+  # and differs from the plain step.
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  config = TrainConfig(backbone_direction="adam", expert_direction="adam",
+                       backbone_momentum="fp32", backbone_second_moment="exact", nesterov="on")
+  config.validate()
+  tiers = config.skewadam_tiers()
+  assert tiers["nesterov"] is True and "nesterov" not in optimizers.tier_configs(tiers)
+  assert TrainConfig(**config_lib.tier_fields(tiers)).skewadam_tiers() == tiers
+  axes = {"w": ("embed", "mlp")}
+  params = {"w": jnp.ones((4, 6))}
+  grads = [{"w": jax.random.normal(jax.random.key(s), (4, 6))} for s in range(3)]
+
+  def updates(tx):
+    state, out = tx.init(params), []
+    for g in grads:
+      u, state = tx.update(g, state, params)
+      out.append(u["w"])
+    return out
+
+  kwargs = dict(learning_rate=0.1, axes=axes, weight_decay=0.1)
+  ours = updates(optimizers.make_optimizer("skewadam", skewadam_tiers=tiers, **kwargs))
+  plain = updates(optimizers.make_optimizer(
+      "skewadam", skewadam_tiers={**tiers, "nesterov": False}, **kwargs))
+  want = updates(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+      0.1, b1=0.9, b2=0.95, weight_decay=0.1, nesterov=True)))
+  for got, ref, other in zip(ours, want, plain):
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    assert np.abs(np.asarray(got - other)).max() > 1e-3
