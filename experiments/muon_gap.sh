@@ -56,10 +56,7 @@ for row in ${ROWS-}; do
 done
 # rewrites the committed experiments/results/muon-gap.md: the finished rows against
 # the default's seed-0 run, then each point's mean and spread over its seeds
-finished=
-for dir in "$RUNS"/*/; do
-  if finished "$dir"; then finished+=${finished:+,}$dir; fi
-done
+finished=$(finished_runs "$RUNS"/*/)
 {
   if [ -n "$finished" ]; then
     "$PYTHON" -m experiments.compare --runs-table "$finished" \

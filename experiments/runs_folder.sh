@@ -19,6 +19,15 @@ runs_folder() {
 finished() {
   [ -f "$1/summary.json" ] && grep -q '"completed": true' "$1/summary.json"
 }
+# finished_runs DIR...: the finished runs among DIRs, comma-separated, as
+# experiments.compare --runs-table reads them; empty when none is.
+finished_runs() {
+  local dir list=
+  for dir in "$@"; do
+    if finished "$dir"; then list+=${list:+,}$dir; fi
+  done
+  echo "$list"
+}
 # row_seed ROW: the seed a row names ("muon-320-seed2": 2; no "-seedN": 0).
 row_seed() {
   if [[ $1 == *-seed* ]]; then echo "${1##*-seed}"; else echo 0; fi
@@ -31,12 +40,9 @@ row_point() {
 # one still training is left out)
 # against its run ${BASELINE[CONTENDER]}, a table each (experiments.compare --runs-table).
 contender_tables() {
-  local runs=$1 contender dir finished
+  local runs=$1 contender finished
   for contender in "${@:2}"; do
-    finished=
-    for dir in "$runs/$contender"-*/; do
-      if finished "$dir"; then finished+=${finished:+,}$dir; fi
-    done
+    finished=$(finished_runs "$runs/$contender"-*/)
     [ -n "$finished" ] || continue
     echo "### $contender"
     echo

@@ -37,10 +37,7 @@ done
 # rewrites the committed experiments/results/x5-long.md: every finished row against
 # Muon's seed 0, then each contender's mean and spread over its seeds
 if finished "$RUNS/muon"; then
-  finished=
-  for dir in "$RUNS"/*/; do
-    if finished "$dir"; then finished+=${finished:+,}$dir; fi
-  done
+  finished=$(finished_runs "$RUNS"/*/)
   {
     "$PYTHON" -m experiments.compare --runs-table "$finished" --baseline "$RUNS/muon"
     echo

@@ -49,6 +49,17 @@ def test_only_a_run_that_reached_its_last_step_is_finished(tmp_path):
   assert out.split("\n")[:4] == ["done yes", "stopped no", "started no", "absent no"]
 
 
+def test_finished_runs_lists_only_finished_runs_comma_separated(tmp_path):
+  write_run(tmp_path, "a", 60.0)
+  write_run(tmp_path, "b", 61.0)
+  write_run(tmp_path, "stopped", 70.0, completed=False)
+  (tmp_path / "started").mkdir()
+  assert sorted(sourced('finished_runs "$RUNS"/*/', tmp_path).strip().split(",")) == [
+      f"{tmp_path}/a/", f"{tmp_path}/b/"]
+  # none finished: an empty line, which the scripts test with [ -n ... ]
+  assert sourced('finished_runs "$RUNS"/stopped/ "$RUNS"/started/', tmp_path) == "\n"
+
+
 def test_seed_means_agree_with_statistics_and_skip_unfinished_runs(tmp_path):
   ppl = {"adamw-640": 64.52, "adamw-640-seed1": 64.01, "adamw-640-seed2": 64.05}
   for name, value in ppl.items():
