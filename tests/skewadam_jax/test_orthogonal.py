@@ -134,6 +134,31 @@ def test_width_scaling_is_muons_aspect_ratio_rule():
     sa.TierConfig(orthogonal_scale="muon")
 
 
+@pytest.mark.parametrize("shape", [(8, 24), (24, 8)])
+def test_the_orthogonal_width_scaled_tier_is_optax_muon_once_bias_correction_fades(shape):
+  # optax.contrib.muon is the reference: the same first step, and the same
+  # steps once b1^t is negligible (muon bias-corrects the two Nesterov terms by
+  # different factors, ours by none; the transient is ~10 % at step 2).
+  from optax.contrib import MuonDimensionNumbers, muon  # pylint: disable=import-outside-toplevel
+  params = {"w": jnp.zeros(shape)}
+  tier = sa.TierConfig(momentum="fp32", direction="orthogonal", orthogonal_scale="width")
+  ours = sa.skewadam(0.1, b1=0.9, weight_decay=0.0, max_grad_norm=None, backbone=tier,
+                     param_labels={"w": "backbone"}, matrix_axes={"w": sa.MatrixAxes(0, 1)})
+  ref = muon(0.1, beta=0.9, weight_decay=0.0,
+             muon_weight_dimension_numbers={"w": MuonDimensionNumbers(0, 1)})
+  step = jax.jit(lambda tx, g, s: tx.update(g, s, params), static_argnums=0)
+  states = [ours.init(params), ref.init(params)]
+  for t in range(80):
+    g = {"w": jax.random.normal(jax.random.key(t), shape) + 0.5}  # a mean: momentum matters
+    (u_ours, states[0]), (u_ref, states[1]) = (
+        step(tx, g, s) for tx, s in zip((ours, ref), states))
+    if t == 0 or t == 79:
+      err = np.abs(np.asarray(u_ours["w"] - u_ref["w"])).max() / np.abs(u_ref["w"]).max()
+      assert err < 1e-4, (t, err)
+    if t == 1:  # the transient is there, so the test would see another scaling
+      assert np.abs(np.asarray(u_ours["w"] - u_ref["w"])).max() > 1e-3 * np.abs(u_ref["w"]).max()
+
+
 def test_orthogonal_direction_shrinks_the_state_and_plans_say_so():
   params = _params()
   plain = sa.scale_by_skewadam().init(params)
