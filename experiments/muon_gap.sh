@@ -28,6 +28,12 @@
 #               from 0.9 to 0.98, tune-more.md) and the first steps' bias correction: if
 #               it reaches Muon, the gap is in the default's compressed state; if not, in
 #               what is left. 27 GB at moe-6.78b: a measure, not a candidate
+# and, as muon-like reached Muon at seed 0, the two halves of the default's compressed
+# state, each a measure, to say which half holds the gap:
+#   muon-like-lowrank        muon-like with the default's rank-16 expert momentum (the
+#                            backbone as Muon's)
+#   muon-scale-fp32-experts  muon-scale with fp32 expert momentum (the backbone as the
+#                            default's: bf16 momentum, factored v, the clip)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -47,6 +53,8 @@ declare -A FLAGS=(
   [exact-v]="--backbone-second-moment exact"
   [nesterov]="--nesterov on"
   [muon-like]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
+  [muon-like-lowrank]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
+  [muon-scale-fp32-experts]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
