@@ -157,11 +157,12 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"the default reaches {x5_default['val_ppl_mean']:.2f}, Muon {x5['muon']:.2f}, "
           f"the sign momentum {x5_signs['val_ppl_mean']:.2f}, AdamW {x5['adamw']:.2f}") in text
   # the second scale at 1600 steps (x5_long.sh): each contender's seed-0 run
-  x5_long = {name: val_ppl(f"x5-long-runs/{name}") for name in ("muon", "lowrank", "muon-scale")}
+  x5_long = {name: val_ppl(f"x5-long-runs/{name}")
+             for name in ("muon", "lowrank", "muon-scale", "adamw")}
   assert (f"at 1600 steps (`x5-long.md`, seed 0 so far) Muon {x5_long['muon']:.2f}, the default "
-          f"{x5_long['lowrank']:.2f} ({x5_long['muon-scale']:.2f} with Muon's width scaling): "
-          "Muon ahead") in text
-  assert x5_long["muon"] < min(x5_long["lowrank"], x5_long["muon-scale"])
+          f"{x5_long['lowrank']:.2f} ({x5_long['muon-scale']:.2f} with Muon's width scaling), "
+          f"AdamW {x5_long['adamw']:.2f}: the order of `small`") in text
+  assert x5_long["muon"] < min(x5_long["lowrank"], x5_long["muon-scale"]) < x5_long["adamw"]
   times = json.loads((RESULTS / "bench-runs" / "compile-time.json").read_text())["rows"]
   total = {name: r["trace_s"] + r["compile_s"] for name, r in times.items()}
   ratio = lambda rows, name: f"{rows[name]['total_ratio_to_adamw']:.2f}×"  # noqa: E731
