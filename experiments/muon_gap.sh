@@ -34,6 +34,11 @@
 #                            backbone as Muon's)
 #   muon-scale-fp32-experts  muon-scale with fp32 expert momentum (the backbone as the
 #                            default's: bf16 momentum, factored v, the clip)
+# and, as the expert half held it (muon-scale-fp32-experts reached muon-like, and
+# muon-like-lowrank did not), a full-rank expert momentum within the budget:
+#   muon-scale-sign  muon-scale with the packed-sign expert momentum (1 bit an entry,
+#                    row and column scales; 1.219 GB at moe-6.78b), which under the
+#                    default's scaling carried little (attribution.md)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -55,6 +60,7 @@ declare -A FLAGS=(
   [muon-like]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
   [muon-like-lowrank]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
   [muon-scale-fp32-experts]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32"
+  [muon-scale-sign]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum sign"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
