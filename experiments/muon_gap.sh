@@ -34,8 +34,8 @@
 #                            backbone as Muon's)
 #   muon-scale-fp32-experts  muon-scale with fp32 expert momentum (the backbone as the
 #                            default's: bf16 momentum, factored v, the clip)
-# and, as the expert half held it (muon-scale-fp32-experts reached muon-like, and
-# muon-like-lowrank did not), a full-rank expert momentum within the budget:
+# and, as the expert half held it at seed 0 (muon-scale-fp32-experts reached muon-like,
+# and muon-like-lowrank did not), a full-rank expert momentum within the budget:
 #   muon-scale-sign  muon-scale with the packed-sign expert momentum (1 bit an entry,
 #                    row and column scales; 1.219 GB at moe-6.78b), which under the
 #                    default's scaling carried little (attribution.md)
