@@ -165,17 +165,19 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert x5_long["muon"] < min(x5_long["lowrank"], x5_long["muon-scale"]) < x5_long["adamw"]
   # where the gap is (muon_gap.sh): the default made Muon, and its two halves
   gap = {name: val_ppl(f"muon-gap-runs/{name}") for name in (
-      "muon-like", "muon-like-seed1", "muon-scale-fp32-experts", "muon-like-lowrank",
+      "muon-like", "muon-like-seed1", "muon-scale-fp32-experts", "muon-scale-fp32-experts-seed1",
+      "muon-like-lowrank",
       "muon-scale-sign", "muon-scale-sign-seed1")}
   muon = [val_ppl(f"tune-more-runs/muon-weight-decay-0.2{s}") for s in ("", "-seed1")]
   assert (f"reaches {gap['muon-like']:.2f} and {gap['muon-like-seed1']:.2f} at seeds 0 and 1 "
           f"(Muon: {muon[0]:.2f}, {muon[1]:.2f}), with only its expert momentum at fp32 "
-          f"{gap['muon-scale-fp32-experts']:.2f} at seed 0, and with Muon's backbone but rank-16 "
+          f"{gap['muon-scale-fp32-experts']:.2f} and {gap['muon-scale-fp32-experts-seed1']:.2f}, and with Muon's backbone but rank-16 "
           f"expert momentum {gap['muon-like-lowrank']:.2f}") in text
   assert (f"packed signs there do worse ({gap['muon-scale-sign']:.2f}, "
           f"{gap['muon-scale-sign-seed1']:.2f})") in text
   assert gap["muon-like"] < muon[0] and gap["muon-like-seed1"] < muon[1]
   assert gap["muon-scale-fp32-experts"] < muon[0] < gap["muon-like-lowrank"]
+  assert gap["muon-scale-fp32-experts-seed1"] < muon[1]
   times = json.loads((RESULTS / "bench-runs" / "compile-time.json").read_text())["rows"]
   total = {name: r["trace_s"] + r["compile_s"] for name, r in times.items()}
   ratio = lambda rows, name: f"{rows[name]['total_ratio_to_adamw']:.2f}×"  # noqa: E731
