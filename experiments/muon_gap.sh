@@ -53,14 +53,19 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --no-progress --optimizer skewadam --lr 0.0135 --warmup-steps 160
       --expert-momentum lowrank --expert-lowrank-rank 16)
+# Muon's width scaling at Muon's rate and weight decay (muon-scale), and the rest of
+# Muon's backbone state (fp32 momentum; AdamW's moments and Nesterov on the
+# Adam-direction leaves), which the rows below combine
+MUON_SCALE="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2"
+MUON_BACKBONE="--backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
 declare -A FLAGS=(
-  [muon-scale]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2"
+  [muon-scale]="$MUON_SCALE"
   [exact-v]="--backbone-second-moment exact"
   [nesterov]="--nesterov on"
-  [muon-like]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
-  [muon-like-lowrank]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
-  [muon-scale-fp32-experts]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum fp32"
-  [muon-scale-sign]="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2 --expert-momentum sign"
+  [muon-like]="$MUON_SCALE $MUON_BACKBONE --expert-momentum fp32"
+  [muon-like-lowrank]="$MUON_SCALE $MUON_BACKBONE"
+  [muon-scale-fp32-experts]="$MUON_SCALE --expert-momentum fp32"
+  [muon-scale-sign]="$MUON_SCALE --expert-momentum sign"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
