@@ -39,6 +39,14 @@
 #   muon-scale-sign  muon-scale with the packed-sign expert momentum (1 bit an entry,
 #                    row and column scales; 1.219 GB at moe-6.78b), which under the
 #                    default's scaling carried little (attribution.md)
+# and, as the signs were worse than rank 16 at both seeds, a weight on the part of the
+# orthogonalised update that the rank-16 momentum does not carry (--expert-lowrank-complement
+# λ: u <- P·Pᵀ·u + λ·(u - P·Pᵀ·u)). Outside the momentum's subspace the update is the
+# current gradient's alone, orthogonalised to the same singular values as the averaged
+# directions; fp32 momentum averages every direction. Same state (1.064 GB):
+#   muon-scale-complement-0.5, muon-scale-complement-0.25  muon-scale with λ 0.5, 0.25
+# (at small's 128 x 256 experts rank 16 is an eighth of the rows, at moe-6.78b's a
+# sixty-fourth: a weight below 1 takes more of the update there)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -66,6 +74,8 @@ declare -A FLAGS=(
   [muon-like-lowrank]="$MUON_SCALE $MUON_BACKBONE"
   [muon-scale-fp32-experts]="$MUON_SCALE --expert-momentum fp32"
   [muon-scale-sign]="$MUON_SCALE --expert-momentum sign"
+  [muon-scale-complement-0.5]="$MUON_SCALE --expert-lowrank-complement 0.5"
+  [muon-scale-complement-0.25]="$MUON_SCALE --expert-lowrank-complement 0.25"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue

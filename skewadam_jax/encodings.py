@@ -398,6 +398,19 @@ class LowRankEncoding(MomentumEncoding):
     product = p_view.to_matrix(parts["mu_row"]) @ q_view.to_matrix(parts["mu_col"])
     return p_view.from_matrix(product, p_view.rows, q_view.cols)
 
+  def project(self, parts, x, axes):
+    """``P·Pᵀ·x``: ``x`` (leaf-shaped) projected on the stored momentum's subspace.
+
+    ``P`` has orthonormal columns, so this is the orthogonal projection on the
+    left subspace the stored ``m ≈ P·Qᵀ`` lives in; ``x − P·Pᵀ·x`` is the part
+    the encoding drops.
+    """
+    p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(parts["mu_row"])
+    view = _MatrixView.of(x.shape, axes)
+    x_matrix = view.to_matrix(x.astype(jnp.float32))
+    projected = p @ (jnp.swapaxes(p, -1, -2) @ x_matrix)
+    return view.from_matrix(projected, view.rows, view.cols)
+
 
 def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
                  rounding: str = "nearest", rank: int = 16) -> MomentumEncoding | None:

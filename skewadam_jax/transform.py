@@ -139,6 +139,15 @@ class TierConfig:
     lowrank_rank: the rank ``r`` of the ``"lowrank"`` momentum
       (:class:`~skewadam_jax.encodings.LowRankEncoding`: ``4·r·(R + C)`` bytes
       a ``R × C`` matrix; 16 keeps ``moe-6.78b``'s whole state within 1.29 GB).
+    lowrank_complement: with ``"lowrank"`` momentum and an orthogonal
+      direction, the weight ``λ`` of the update's part outside the stored
+      momentum's subspace: ``u ← P·Pᵀ·u + λ·(u − P·Pᵀ·u)``, with ``P`` the
+      new momentum's left factor
+      (:meth:`~skewadam_jax.encodings.LowRankEncoding.project`). There the
+      momentum keeps no history, so that part of the orthogonalised update is
+      the current gradient's alone, at the same singular values as the averaged
+      part. 1 (the default) leaves the update as it is; 0 keeps only the
+      subspace (a rank-``r`` update). Changes no state.
     momentum_rounding: how a ``"bf16"`` momentum is rounded when stored:
       ``"stochastic"`` (the default; unbiased, so the stored EMA follows the
       fp32 one at any ``b1``: within 0.1 % on average after 1000 steps of a
@@ -167,6 +176,7 @@ class TierConfig:
   orthogonal_dtype: str = "float32"
   momentum_rounding: str = "stochastic"
   lowrank_rank: int = 16
+  lowrank_complement: float = 1.0
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -209,6 +219,12 @@ class TierConfig:
         or not 0.0 <= self.neuron_b2 < 1.0):
       raise ValueError(f"neuron_b2 must be in [0, 1), got {self.neuron_b2!r}.")
     object.__setattr__(self, "neuron_b2", float(self.neuron_b2))
+    if (isinstance(self.lowrank_complement, bool)
+        or not isinstance(self.lowrank_complement, numbers.Real)
+        or not 0.0 <= self.lowrank_complement <= 1.0):
+      raise ValueError(f"lowrank_complement must be in [0, 1], got "
+                       f"{self.lowrank_complement!r}.")
+    object.__setattr__(self, "lowrank_complement", float(self.lowrank_complement))
     if self.second_moment not in SECOND_MOMENT_FORMS:
       raise ValueError(
           f"Unknown second_moment {self.second_moment!r}; expected one of "
@@ -287,6 +303,9 @@ class LeafPlan(NamedTuple):
       (``TierConfig.orthogonal_scale``); ``None`` otherwise.
     orthogonal_chunk, orthogonal_dtype: for an orthogonalised leaf, its
       Newton–Schulz schedule (``TierConfig``'s); ``None`` otherwise.
+    lowrank_complement: for an orthogonalised leaf with low-rank momentum,
+      the weight of its update outside the momentum's subspace
+      (``TierConfig.lowrank_complement``); ``None`` otherwise.
   """
   tier: str
   encoding: Optional[encodings.MomentumEncoding]
@@ -298,6 +317,7 @@ class LeafPlan(NamedTuple):
   orthogonal_scale: Optional[str] = None
   orthogonal_chunk: Union[int, str, None] = None
   orthogonal_dtype: Optional[str] = None
+  lowrank_complement: Optional[float] = None
 
 
 def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConfig:
@@ -443,7 +463,9 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
         neuron_b2=config.neuron_b2 if normalized else None,
         orthogonal_scale=config.orthogonal_scale if ortho else None,
         orthogonal_chunk=config.orthogonal_chunk if ortho else None,
-        orthogonal_dtype=config.orthogonal_dtype if ortho else None))
+        orthogonal_dtype=config.orthogonal_dtype if ortho else None,
+        lowrank_complement=(config.lowrank_complement if ortho and isinstance(
+            encoding, encodings.LowRankEncoding) else None)))
   return plans
 
 
@@ -757,6 +779,9 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
     if plan.neuron_b2 is not None:
       update, new["nu_col"] = orthogonal.normalize_per_neuron(
           update, momentum["nu_col"], axes, b2n, c2n)
+    if plan.lowrank_complement is not None and plan.lowrank_complement != 1.0:
+      kept = plan.encoding.project(new, update, axes)
+      update = kept + plan.lowrank_complement * (update - kept)
     update = update * (orthogonal.width_scale(g_s.shape, axes)
                        if plan.orthogonal_scale == "width"
                        else orthogonal.adam_rms_scale(g_s.shape, axes))

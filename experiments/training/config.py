@@ -163,6 +163,10 @@ class TrainConfig:
   expert_lowrank_rank: int | None = setting(
       None, "with --expert-momentum lowrank: the rank of each expert matrix's momentum "
       "factors (default: the library's, 16)", structural=True, kind=int)
+  expert_lowrank_complement: float | None = setting(
+      None, "with --expert-momentum lowrank and an orthogonal expert direction: the weight "
+      "of the update's part outside the momentum's rank-r subspace, 0 to 1 (default: the "
+      "library's, 1: the update as orthogonalised)", structural=False, kind=float)
   backbone_momentum: str | None = setting(
       None, "SkewAdam backbone momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
@@ -279,6 +283,8 @@ class TrainConfig:
                                  else int(self.expert_lowrank_rank)),
                                 ("direction", library(self.expert_direction)),
                                 ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
+    if self.expert_lowrank_complement is not None:  # 0 is a value
+      expert["lowrank_complement"] = float(self.expert_lowrank_complement)
     chunk = _chunk_value(self.orthogonal_chunk)
     if chunk is None and _expert_shards(self.mesh) > 1:
       # Strided chunks of the expert axis, one expert a shard: the loop stays
@@ -533,7 +539,8 @@ TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
                "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
-               "contain_nonfinite", "nesterov", "expert_lowrank_rank")
+               "contain_nonfinite", "nesterov", "expert_lowrank_rank",
+               "expert_lowrank_complement")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:

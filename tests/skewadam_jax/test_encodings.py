@@ -239,3 +239,42 @@ def test_lowrank_expert_momentum_steps_in_both_directions():
       u, state = jax.jit(tx.update)(g, state)
       assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
     assert state.mu_row["layers"]["moe"]["experts"]["w_up"].shape == (2, 4, 16, 4)
+
+
+def test_lowrank_complement_weights_the_update_outside_the_momentum_subspace():
+  # A stack of layers x experts (the layer loop and the expert chunks both run).
+  params = {"experts": jnp.zeros((2, 3, 16, 24))}
+
+  def run(complement, direction="orthogonal"):
+    tx = sa.scale_by_skewadam(
+        param_labels="expert", matrix_axes=sa.MatrixAxes(2, 3, layer=0),
+        expert=sa.TierConfig("lowrank", "factored", lowrank_rank=4, direction=direction,
+                             lowrank_complement=complement))
+    state, updates = tx.init(params), []
+    for step in range(3):
+      g = {"experts": jax.random.normal(jax.random.PRNGKey(step), (2, 3, 16, 24))}
+      u, state = jax.jit(tx.update)(g, state)
+      updates.append(np.asarray(u["experts"]))
+    return updates, state
+
+  whole, state = run(1.0)
+  for complement in (0.25, 0.0):
+    damped, damped_state = run(complement)
+    # The weight changes the update only: the momentum is the same.
+    for field in ("mu_row", "mu_col"):
+      np.testing.assert_allclose(getattr(damped_state, field)["experts"],
+                                 getattr(state, field)["experts"], rtol=1e-5, atol=1e-6)
+  # By hand on the last step: P = the stored left factor (orthonormal columns).
+  p = np.asarray(state.mu_row["experts"])  # [2, 3, 16, 4]
+  kept = p @ (np.swapaxes(p, -1, -2) @ whole[-1])
+  np.testing.assert_allclose(np.swapaxes(p, -1, -2) @ p, np.broadcast_to(np.eye(4), (2, 3, 4, 4)),
+                             atol=1e-5)
+  quarter, _ = run(0.25)
+  np.testing.assert_allclose(quarter[-1], kept + 0.25 * (whole[-1] - kept), rtol=1e-4, atol=1e-5)
+  nothing_outside, _ = run(0.0)
+  assert max(np.linalg.matrix_rank(x, tol=1e-4) for x in nothing_outside[-1].reshape(6, 16, 24)) == 4
+  # Adam's direction has no orthogonalised update to weigh: the setting is not read.
+  np.testing.assert_array_equal(run(0.25, "adam")[0][-1], run(1.0, "adam")[0][-1])
+  for bad in (1.5, -0.1, True, "half"):
+    with pytest.raises(ValueError, match="lowrank_complement must be in"):
+      sa.TierConfig("lowrank", "factored", lowrank_complement=bad)

@@ -179,3 +179,20 @@ def test_nesterov_gives_adams_direction_optax_nesterov():
   for got, ref, other in zip(ours, want, plain):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
     assert np.abs(np.asarray(got - other)).max() > 1e-3
+
+
+def test_expert_lowrank_complement_reaches_the_expert_tier():
+  import argparse  # pylint: disable=import-outside-toplevel
+  import skewadam_jax as sa  # pylint: disable=import-outside-toplevel
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser()
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS)
+  args = parser.parse_args(["--expert-lowrank-complement", "0"])
+  tiers = config_lib.tiers_from_args(args)
+  assert tiers["expert"]["lowrank_complement"] == 0.0  # 0 is kept, not dropped as unset
+  assert TrainConfig(**config_lib.tier_fields(tiers)).skewadam_tiers() == tiers
+  assert sa.TierConfig(**optimizers.tier_configs(tiers)["expert"]).lowrank_complement == 0.0
+  assert "expert" not in TrainConfig().skewadam_tiers() or (
+      "lowrank_complement" not in TrainConfig().skewadam_tiers()["expert"])
+  with pytest.raises(ValueError, match="lowrank_complement must be in"):
+    TrainConfig(expert_lowrank_complement=2.0).validate()
