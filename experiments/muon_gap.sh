@@ -47,6 +47,9 @@
 #   muon-scale-complement-0.5, muon-scale-complement-0.25  muon-scale with λ 0.5, 0.25
 # (at small's 128 x 256 experts rank 16 is an eighth of the rows, at moe-6.78b's a
 # sixty-fourth: a weight below 1 takes more of the update there)
+# and, as both weights did worse, how much the rank-16 momentum carries under Muon's
+# scaling at all (a measure, 0.349 GB of state at moe-6.78b):
+#   muon-scale-none  muon-scale with no expert momentum (the update orthogonalises g_t)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -76,6 +79,7 @@ declare -A FLAGS=(
   [muon-scale-sign]="$MUON_SCALE --expert-momentum sign"
   [muon-scale-complement-0.5]="$MUON_SCALE --expert-lowrank-complement 0.5"
   [muon-scale-complement-0.25]="$MUON_SCALE --expert-lowrank-complement 0.25"
+  [muon-scale-none]="$MUON_SCALE --expert-momentum none"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
