@@ -258,8 +258,8 @@ def test_lowrank_complement_weights_the_update_outside_the_momentum_subspace():
     return updates, state
 
   whole, state = run(1.0)
-  for complement in (0.25, 0.0):
-    damped, damped_state = run(complement)
+  damped = {complement: run(complement) for complement in (0.25, 0.0)}
+  for _, damped_state in damped.values():
     # The weight changes the update only: the momentum is the same.
     for field in ("mu_row", "mu_col"):
       np.testing.assert_allclose(getattr(damped_state, field)["experts"],
@@ -269,9 +269,8 @@ def test_lowrank_complement_weights_the_update_outside_the_momentum_subspace():
   kept = p @ (np.swapaxes(p, -1, -2) @ whole[-1])
   np.testing.assert_allclose(np.swapaxes(p, -1, -2) @ p, np.broadcast_to(np.eye(4), (2, 3, 4, 4)),
                              atol=1e-5)
-  quarter, _ = run(0.25)
+  quarter, nothing_outside = damped[0.25][0], damped[0.0][0]
   np.testing.assert_allclose(quarter[-1], kept + 0.25 * (whole[-1] - kept), rtol=1e-4, atol=1e-5)
-  nothing_outside, _ = run(0.0)
   assert max(np.linalg.matrix_rank(x, tol=1e-4) for x in nothing_outside[-1].reshape(6, 16, 24)) == 4
   # Adam's direction has no orthogonalised update to weigh: the setting is not read.
   np.testing.assert_array_equal(run(0.25, "adam")[0][-1], run(1.0, "adam")[0][-1])
