@@ -1,5 +1,7 @@
 """Optimizer-state bytes by tier for a model preset, or what an optimizer does with each parameter.
 
+The byte table is followed by the same state in bits a parameter of each tier.
+
     python -m experiments.state_bytes --preset moe-6.78b
     python -m experiments.state_bytes --optimizers skewadam --param-dtype bfloat16 \\
         --expert-direction orthogonal --backbone-direction orthogonal
@@ -20,7 +22,10 @@ import jax.numpy as jnp
 import experiments
 from experiments.training import config as config_lib
 from experiments.training import optimizers
-from experiments.planning.accounting import per_leaf, per_leaf_markdown, state_bytes
+from experiments.planning.accounting import (params_by_tier, per_leaf, per_leaf_markdown,
+                                             state_bytes)
+
+TIER_COLUMNS = ("backbone", "expert", "router")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,14 +60,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps({"preset": args.preset, "optimizer": args.optimizer, "leaves": rows},
                      indent=1) if args.json else per_leaf_markdown(rows))
     return 0
+  names = args.optimizers.split(",")
+  by_name = {name: state_bytes(args.preset, name, param_dtype=param_dtype,
+                               skewadam_tiers=tiers if name == "skewadam" else None)
+             for name in names}
   print(f"| optimizer ({args.preset}, {args.param_dtype} params) | backbone | expert | router "
         "| total |")
   print("|---|---|---|---|---|")
-  for name in args.optimizers.split(","):
-    b = state_bytes(args.preset, name, param_dtype=param_dtype,
-                    skewadam_tiers=tiers if name == "skewadam" else None)
-    gb = lambda k: f"{b[k] / 1e9:.3f} GB"
+  for name, b in by_name.items():
+    gb = lambda k: f"{b[k] / 1e9:.3f} GB"  # noqa: E731
     print(f"| {name} | {gb('backbone')} | {gb('expert')} | {gb('router')} | **{gb('total')}** |")
+  # Bits a parameter make a preset's state comparable with another's: a low-rank
+  # momentum's share of fp32's bytes shrinks as the matrices grow.
+  counts = params_by_tier(args.preset, skewadam_tiers=tiers)
+  print()
+  print("State bits a parameter (the tier's state bits over its parameters: "
+        + ", ".join(f"{t} {counts[t]:,}" for t in TIER_COLUMNS) + "):")
+  print()
+  print("| optimizer | " + " | ".join(TIER_COLUMNS) + " | total |")
+  print("|---|---|---|---|---|")
+  for name, b in by_name.items():
+    bits = [f"{8 * b[t] / counts[t]:.2f}" if counts[t] else "–" for t in TIER_COLUMNS]
+    print(f"| {name} | " + " | ".join(bits) + f" | {8 * b['total'] / counts['total']:.2f} |")
   return 0
 
 

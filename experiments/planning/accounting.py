@@ -106,6 +106,26 @@ def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
   return rows
 
 
+def params_by_tier(preset: str, *, skewadam_tiers: dict | None = None) -> dict[str, int]:
+  """Parameter counts of ``preset`` by SkewAdam tier, and their ``"total"``.
+
+  The tiers are the ones the training command's SkewAdam gives each leaf
+  (:func:`skewadam_jax.leaf_plans` with the model's declared axes), so a
+  tier's state bytes from :func:`state_bytes` divided by its count here is
+  what that tier's state costs a parameter, for SkewAdam and for the other
+  optimizers alike (their states are split by the same labels).
+  """
+  params = abstract_params(preset)
+  plans = skewadam_jax.leaf_plans(
+      params, **optimizers.skewadam_axes(abstract_axes(preset), skewadam_tiers),
+      **optimizers.tier_configs(skewadam_tiers))
+  counts = {tier: 0 for tier in skewadam_jax.labels.TIERS}
+  for leaf, plan in zip(jax.tree.leaves(params), plans):
+    counts[plan.tier] += leaf.size
+  counts["total"] = sum(counts.values())
+  return counts
+
+
 def per_leaf_markdown(rows: list[dict]) -> str:
   """The per-leaf plan as a Markdown table."""
   keys = ("path", "shape", "axes", "tier", "momentum", "second_moment", "decayed",
