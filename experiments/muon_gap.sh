@@ -51,17 +51,14 @@
 # scaling at all (a measure, 0.349 GB of state at moe-6.78b):
 #   muon-scale-none  muon-scale with no expert momentum (the update orthogonalises g_t)
 # and, as rank 16 carries part of fp32's gain under Muon's scaling (57.80 against none's
-# 59.66 and fp32's 56.74 at seed 0), two more rows (2026-12-05):
+# 59.66 and fp32's 56.74 at seed 0), a measure of what it carries at moe-6.78b's share of
+# bytes (2026-12-05), with muon-scale-none's seed 1 beside it:
 #   muon-scale-rank-2  muon-scale at rank 2, a measure: rank r's factors are
 #                      r·(rows + cols) of an expert's rows·cols entries, 2.3 % of fp32's bytes
 #                      at small's 128 x 256 for rank 2 against 2.7 % at moe-6.78b's
 #                      1024 x 1400 for rank 16 (18.8 % at small for rank 16), so this row
 #                      is what the default's momentum carries at moe-6.78b's share of bytes
-#   muon-scale-noclip  muon-scale without the update clip (--update-clip off; the clip
-#                      acts on the leaves the orthogonal tiers leave in Adam's direction:
-#                      embeddings, unembedding), which Muon's AdamW part does not have and
-#                      which cost 0.71 at seed 0 on 0.3.0's default (safe-defaults-ablation.md).
-#                      Same state (1.064 GB): a candidate
+#                      (0.75 bits a parameter against 0.87; `python -m experiments.state_bytes`)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -93,7 +90,6 @@ declare -A FLAGS=(
   [muon-scale-complement-0.25]="$MUON_SCALE --expert-lowrank-complement 0.25"
   [muon-scale-none]="$MUON_SCALE --expert-momentum none"
   [muon-scale-rank-2]="$MUON_SCALE --expert-lowrank-rank 2"
-  [muon-scale-noclip]="$MUON_SCALE --update-clip off"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
