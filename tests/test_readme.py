@@ -156,18 +156,16 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert x5_default["config"] == sweeps.default_config()
   assert (f"the default reaches {x5_default['val_ppl_mean']:.2f}, Muon {x5['muon']:.2f}, "
           f"the sign momentum {x5_signs['val_ppl_mean']:.2f}, AdamW {x5['adamw']:.2f}") in text
-  # the second scale at 1600 steps (x5_long.sh): Muon and the default over seeds 0
-  # and 1, the others at seed 0
-  x5_long = {name: val_ppl(f"x5-long-runs/{name}")
-             for name in ("muon", "lowrank", "muon-scale", "adamw")}
-  x5_seeds = {name: [x5_long[name], val_ppl(f"x5-long-runs/{name}-seed1")]
-              for name in ("muon", "lowrank")}
-  assert (f"at 1600 steps (`x5-long.md`) Muon {ppl_text(x5_seeds['muon'])} and the default "
-          f"{ppl_text(x5_seeds['lowrank'])} over seeds 0 and 1, at seed 0 the default with "
-          f"Muon's width scaling {x5_long['muon-scale']:.2f} and AdamW {x5_long['adamw']:.2f}: "
-          f"the order of `small`") in text
-  assert max(x5_seeds["muon"]) < min(x5_seeds["lowrank"])  # Muon ahead at each seed
-  assert max(x5_seeds["lowrank"] + [x5_long["muon-scale"]]) < x5_long["adamw"]
+  # the second scale at 1600 steps (x5_long.sh): every contender over seeds 0 and 1
+  x5_seeds = {name: [val_ppl(f"x5-long-runs/{name}"), val_ppl(f"x5-long-runs/{name}-seed1")]
+              for name in ("muon", "lowrank", "muon-scale", "adamw")}
+  assert (f"at 1600 steps (`x5-long.md`, seeds 0 and 1) Muon {ppl_text(x5_seeds['muon'])}, "
+          f"the default with Muon's width scaling {ppl_text(x5_seeds['muon-scale'])}, the "
+          f"default {ppl_text(x5_seeds['lowrank'])} and AdamW {ppl_text(x5_seeds['adamw'])}: "
+          f"the order of `small`, at each seed") in text
+  for seed in (0, 1):  # the order holds at each seed, not only on the means
+    order = [x5_seeds[name][seed] for name in ("muon", "muon-scale", "lowrank", "adamw")]
+    assert order == sorted(order)
   # where the gap is (muon_gap.sh): the default made Muon, and its two halves
   gap = {name: val_ppl(f"muon-gap-runs/{name}") for name in (
       "muon-like", "muon-like-seed1", "muon-scale-fp32-experts", "muon-scale-fp32-experts-seed1",
