@@ -178,6 +178,21 @@ def test_the_figures_at_a_glance_are_the_results_files():
           f"expert momentum {gap['muon-like-lowrank']:.2f}") in text
   assert (f"packed signs there do worse ({gap['muon-scale-sign']:.2f}, "
           f"{gap['muon-scale-sign-seed1']:.2f})") in text
+  # the rank-16 momentum's bits a parameter at small and at moe-6.78b (state_bytes), and
+  # rank 2, small's nearest share, against no expert momentum
+  from experiments import state_bytes
+  from experiments.planning import accounting
+  from experiments.training import config as config_lib
+  tiers = config_lib.tiers_from_args(state_bytes.build_parser().parse_args([]))  # the command's
+  bits = {preset: 8 * accounting.state_bytes(preset, "skewadam", skewadam_tiers=tiers)["expert"]
+          / accounting.params_by_tier(preset, skewadam_tiers=tiers)["expert"]
+          for preset in ("small", "moe-6.78b")}
+  at_share = {name: [val_ppl(f"muon-gap-runs/{name}"), val_ppl(f"muon-gap-runs/{name}-seed1")]
+              for name in ("muon-scale-rank-2", "muon-scale-none")}
+  assert (f"the rank-16 momentum is {bits['small']:.2f} bits a parameter on `small`'s experts "
+          f"but {bits['moe-6.78b']:.2f} on `moe-6.78b`'s") in text
+  assert (f"level with no expert momentum ({ppl_text(at_share['muon-scale-rank-2'])} against "
+          f"{ppl_text(at_share['muon-scale-none'])} at seeds 0 and 1)") in text
   assert gap["muon-like"] < muon[0] and gap["muon-like-seed1"] < muon[1]
   assert gap["muon-scale-fp32-experts"] < muon[0] < gap["muon-like-lowrank"]
   assert gap["muon-scale-fp32-experts-seed1"] < muon[1]
