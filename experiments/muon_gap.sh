@@ -59,6 +59,10 @@
 #                      1024 x 1400 for rank 16 (18.8 % at small for rank 16), so this row
 #                      is what the default's momentum carries at moe-6.78b's share of bytes
 #                      (0.75 bits a parameter against 0.87; `python -m experiments.state_bytes`)
+# and, as rank 2 was level with none at seeds 0 and 1, the most the budget buys at that share:
+#   muon-scale-rank-3  muon-scale at rank 3 (1.13 bits a parameter on small); at moe-6.78b
+#                      the budget leaves the expert momentum 1.14 bits a parameter (1.29 GB
+#                      less the 0.349 GB without it), rank 21 there. A measure
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -90,6 +94,7 @@ declare -A FLAGS=(
   [muon-scale-complement-0.25]="$MUON_SCALE --expert-lowrank-complement 0.25"
   [muon-scale-none]="$MUON_SCALE --expert-momentum none"
   [muon-scale-rank-2]="$MUON_SCALE --expert-lowrank-rank 2"
+  [muon-scale-rank-3]="$MUON_SCALE --expert-lowrank-rank 3"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
