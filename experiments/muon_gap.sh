@@ -60,7 +60,7 @@
 #                      is what the default's momentum carries at moe-6.78b's share of bytes
 #                      (0.75 bits a parameter against 0.87; `python -m experiments.state_bytes`)
 # and, as rank 2 was level with none at seeds 0 and 1, the most the budget buys at that share:
-#   muon-scale-rank-3  muon-scale at rank 3 (1.13 bits a parameter on small); at moe-6.78b
+#   muon-scale-rank-3  muon-scale at rank 3 (1.125 bits a parameter on small); at moe-6.78b
 #                      the budget leaves the expert momentum 1.14 bits a parameter (1.29 GB
 #                      less the 0.349 GB without it), rank 21 there. A measure
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
