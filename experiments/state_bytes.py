@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import experiments
 from experiments.training import config as config_lib
 from experiments.training import optimizers
-from experiments.planning.accounting import (params_by_tier, per_leaf, per_leaf_markdown,
-                                             state_bytes)
-
-TIER_COLUMNS = ("backbone", "expert", "router")
+from experiments.planning.accounting import (bits_per_param, params_by_tier, per_leaf,
+                                             per_leaf_markdown, state_bytes)
+from skewadam_jax.labels import TIERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,13 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   counts = params_by_tier(args.preset, skewadam_tiers=tiers)
   print()
   print("State bits a parameter (the tier's state bits over its parameters: "
-        + ", ".join(f"{t} {counts[t]:,}" for t in TIER_COLUMNS) + "):")
+        + ", ".join(f"{t} {counts[t]:,}" for t in TIERS) + "):")
   print()
-  print("| optimizer | " + " | ".join(TIER_COLUMNS) + " | total |")
+  print("| optimizer | " + " | ".join(TIERS) + " | total |")
   print("|---|---|---|---|---|")
   for name, b in by_name.items():
-    bits = [f"{8 * b[t] / counts[t]:.2f}" if counts[t] else "–" for t in TIER_COLUMNS]
-    print(f"| {name} | " + " | ".join(bits) + f" | {8 * b['total'] / counts['total']:.2f} |")
+    bits = bits_per_param(b, counts)
+    cells = ["–" if bits[t] is None else f"{bits[t]:.2f}" for t in TIERS + ("total",)]
+    print(f"| {name} | " + " | ".join(cells) + " |")
   return 0
 
 

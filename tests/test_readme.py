@@ -11,7 +11,10 @@ import statistics
 
 import pytest
 
+from experiments import state_bytes
+from experiments.planning import accounting
 from experiments.studies import sweeps
+from experiments.training import config as config_lib
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -180,12 +183,10 @@ def test_the_figures_at_a_glance_are_the_results_files():
           f"{gap['muon-scale-sign-seed1']:.2f})") in text
   # the rank-16 momentum's bits a parameter at small and at moe-6.78b (state_bytes), and
   # rank 2, small's nearest share, against no expert momentum
-  from experiments import state_bytes
-  from experiments.planning import accounting
-  from experiments.training import config as config_lib
   tiers = config_lib.tiers_from_args(state_bytes.build_parser().parse_args([]))  # the command's
-  bits = {preset: 8 * accounting.state_bytes(preset, "skewadam", skewadam_tiers=tiers)["expert"]
-          / accounting.params_by_tier(preset, skewadam_tiers=tiers)["expert"]
+  bits = {preset: accounting.bits_per_param(
+              accounting.state_bytes(preset, "skewadam", skewadam_tiers=tiers),
+              accounting.params_by_tier(preset, skewadam_tiers=tiers))["expert"]
           for preset in ("small", "moe-6.78b")}
   at_share = {name: [val_ppl(f"muon-gap-runs/{name}"), val_ppl(f"muon-gap-runs/{name}-seed1")]
               for name in ("muon-scale-rank-2", "muon-scale-none")}

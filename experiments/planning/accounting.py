@@ -126,6 +126,13 @@ def params_by_tier(preset: str, *, skewadam_tiers: dict | None = None) -> dict[s
   return counts
 
 
+def bits_per_param(nbytes: dict[str, int], counts: dict[str, int]) -> dict[str, float | None]:
+  """State bits a parameter by tier: ``nbytes`` (:func:`state_bytes`) over ``counts``
+  (:func:`params_by_tier`), for each tier and the ``"total"``; ``None`` for a tier
+  without parameters."""
+  return {k: 8 * nbytes[k] / counts[k] if counts[k] else None for k in counts}
+
+
 def per_leaf_markdown(rows: list[dict]) -> str:
   """The per-leaf plan as a Markdown table."""
   keys = ("path", "shape", "axes", "tier", "momentum", "second_moment", "decayed",
