@@ -63,6 +63,16 @@
 #   muon-scale-rank-3  muon-scale at rank 3 (1.125 bits a parameter on small); at moe-6.78b
 #                      the budget leaves the expert momentum 1.14 bits a parameter (1.29 GB
 #                      less the 0.349 GB without it), rank 21 there. A measure
+# and, as no form of about a bit a parameter at small's share carried anything, the same
+# budget spent on more directions at half the bytes each (2026-12-05): factors stored in
+# bfloat16 (--expert-lowrank-dtype bfloat16; the step computes in float32, the stored
+# factors are rounded stochastically), so rank 2r costs rank r's float32 bytes at every
+# preset (the share of bytes is the preset's own, not a proxy):
+#   muon-scale-rank-42-bf16  rank 42 in bfloat16: 1.287 GB at moe-6.78b, the most the
+#                            budget buys (as rank 21 in float32). A candidate
+#   muon-scale-rank-32-bf16  rank 32 in bfloat16: the default's 1.064 GB (rank 16's float32
+#                            bytes) at every preset, so beside muon-scale it says what half
+#                            the precision and twice the rank do at equal bytes. A candidate
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -95,6 +105,8 @@ declare -A FLAGS=(
   [muon-scale-none]="$MUON_SCALE --expert-momentum none"
   [muon-scale-rank-2]="$MUON_SCALE --expert-lowrank-rank 2"
   [muon-scale-rank-3]="$MUON_SCALE --expert-lowrank-rank 3"
+  [muon-scale-rank-42-bf16]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16"
+  [muon-scale-rank-32-bf16]="$MUON_SCALE --expert-lowrank-rank 32 --expert-lowrank-dtype bfloat16"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue

@@ -18,6 +18,7 @@ is a tree shaped like the parameters):
 |        | columns (1 = negative)                     | means of ``m²`` of each matrix                 | (≈ 0.128 for 1024²)    |
 | lowrank| ``mu_row``: ``P``, float32, the matrix's   | ``mu_col``: ``Qᵀ``, float32, the rows side     | 4·r·(R + C)/(R·C)      |
 |        | columns side replaced by the rank ``r``    | replaced by ``r``; ``m ≈ P·Qᵀ``                | (0.11 at 1024×1400, 16)|
+|        | (or bfloat16: ``lowrank_dtype``)           | (bfloat16 likewise)                            | 2·r·(R + C)/(R·C)      |
 | none   | nothing: no momentum (``m_t = g_t``)       |                                                | 0                      |
 
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
@@ -133,6 +134,9 @@ class DenseEncoding(MomentumEncoding):
     mu = parts["mu"]
     return mu.astype(jnp.complex64 if jnp.iscomplexobj(mu) else jnp.float32)
 
+
+# The low-rank factors' storage dtypes (a factor is a float32 product each step).
+LOWRANK_DTYPES = ("float32", "bfloat16")
 
 # μ of the μ-law int8 code: entries down to ~absmax/μ keep ~2 % relative error.
 MULAW_MU = 255.0
@@ -364,11 +368,26 @@ class LowRankEncoding(MomentumEncoding):
   plan stepped as a group, ``scale_by_skewadam(group_leaves=True)``): the
   starting ``Q`` is drawn once for the rest of the shape and shared along
   them, so each leaf of a group starts as it does stepped alone.
+
+  ``dtype``: the factors' storage dtype, ``float32`` or ``bfloat16`` (half the
+  bytes, so twice the rank at the same state). Every step still computes in
+  float32 and rounds only what it stores; ``stochastic=True`` rounds to bf16
+  stochastically (salted by the step count) so the carried ``Qᵀ`` stays
+  unbiased, as a bf16 dense momentum does.
   """
   rank: int = 16
   stacked: int = 0
+  dtype: Any = jnp.float32
+  stochastic: bool = False
   name = "lowrank"
   matrix_only = True
+
+  def _store(self, x, salt):
+    if jnp.dtype(self.dtype) != jnp.bfloat16:
+      return x.astype(self.dtype)
+    if self.stochastic and salt is not None:
+      return rounding.stochastic_round_to_bf16_hashed(x, salt)
+    return x.astype(jnp.bfloat16)
 
   def encode(self, m, axes, salt=None, previous=None):
     view = _MatrixView.of(m.shape, axes)
@@ -380,7 +399,8 @@ class LowRankEncoding(MomentumEncoding):
     if previous is None:
       q = start
     else:
-      q = _explicit.like(jnp.swapaxes(view.to_matrix(previous["mu_col"]), -1, -2), m)  # stored as Qᵀ
+      q = _explicit.like(jnp.swapaxes(view.to_matrix(
+          previous["mu_col"].astype(jnp.float32)), -1, -2), m)  # stored as Qᵀ
       started = _explicit.like(jnp.any(q != 0, axis=(-2, -1), keepdims=True), q)
       q = jnp.where(started, q, start)
     # XLA's batched QR has no sharding rule for explicit mesh axes: it runs on the
@@ -389,13 +409,14 @@ class LowRankEncoding(MomentumEncoding):
     p = _explicit.like(jnp.linalg.qr(_explicit.replicated(mq))[0], mq)
     q_t = jnp.swapaxes(p, -1, -2) @ m  # Qᵀ = Pᵀ·m, [..., r, C]
     shortened = lambda sizes: (1,) * (len(sizes) - 1) + (r,)  # noqa: E731
-    return {"mu_row": view.from_matrix(p, view.rows, shortened(view.cols)),
-            "mu_col": view.from_matrix(q_t, shortened(view.rows), view.cols)}
+    return {"mu_row": self._store(view.from_matrix(p, view.rows, shortened(view.cols)), salt),
+            "mu_col": self._store(view.from_matrix(q_t, shortened(view.rows), view.cols), salt)}
 
   def decode(self, parts, axes):
     p_view = _MatrixView.of(parts["mu_row"].shape, axes)
     q_view = _MatrixView.of(parts["mu_col"].shape, axes)
-    product = p_view.to_matrix(parts["mu_row"]) @ q_view.to_matrix(parts["mu_col"])
+    product = (p_view.to_matrix(parts["mu_row"].astype(jnp.float32))
+               @ q_view.to_matrix(parts["mu_col"].astype(jnp.float32)))
     return p_view.from_matrix(product, p_view.rows, q_view.cols)
 
   def project(self, parts, x, axes):
@@ -405,7 +426,8 @@ class LowRankEncoding(MomentumEncoding):
     left subspace the stored ``m ≈ P·Qᵀ`` lives in; ``x − P·Pᵀ·x`` is the part
     the encoding drops.
     """
-    p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(parts["mu_row"])
+    p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(
+        parts["mu_row"].astype(jnp.float32))
     view = _MatrixView.of(x.shape, axes)
     x_matrix = view.to_matrix(x.astype(jnp.float32))
     projected = p @ (jnp.swapaxes(p, -1, -2) @ x_matrix)
@@ -413,10 +435,13 @@ class LowRankEncoding(MomentumEncoding):
 
 
 def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
-                 rounding: str = "nearest", rank: int = 16) -> MomentumEncoding | None:
+                 rounding: str = "nearest", rank: int = 16,
+                 lowrank_dtype: str = "float32") -> MomentumEncoding | None:
   """The encoding called ``name`` (``None`` for ``"none"``).
 
-  ``rounding``: how ``"bf16"`` rounds, ``"nearest"`` or ``"stochastic"``.
+  ``rounding``: how ``"bf16"`` (and ``"lowrank"`` factors stored in bfloat16)
+  round, ``"nearest"`` or ``"stochastic"``. ``lowrank_dtype``: the
+  ``"lowrank"`` factors' storage dtype, one of :data:`LOWRANK_DTYPES`.
 
   Raises:
     ValueError: for an unknown name, a non-positive block size or an unknown
@@ -450,7 +475,14 @@ def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
   if name == "lowrank":
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
       raise ValueError(f"lowrank rank must be a positive int, got {rank!r}.")
-    return LowRankEncoding(rank)
+    try:
+      dtype_name = jnp.dtype(lowrank_dtype).name
+    except TypeError:
+      dtype_name = None
+    if dtype_name not in LOWRANK_DTYPES:
+      raise ValueError(f"lowrank_dtype must be one of {LOWRANK_DTYPES}, got {lowrank_dtype!r}.")
+    return LowRankEncoding(rank, dtype=jnp.dtype(dtype_name),
+                           stochastic=dtype_name == "bfloat16" and rounding == "stochastic")
   if name == "none":
     return None
   raise ValueError(f"Unknown momentum encoding {name!r}; expected one of {ENCODINGS}.")

@@ -139,6 +139,10 @@ class TierConfig:
     lowrank_rank: the rank ``r`` of the ``"lowrank"`` momentum
       (:class:`~skewadam_jax.encodings.LowRankEncoding`: ``4·r·(R + C)`` bytes
       a ``R × C`` matrix; 16 keeps ``moe-6.78b``'s whole state within 1.29 GB).
+    lowrank_dtype: the ``"lowrank"`` factors' storage dtype: ``"float32"`` or
+      ``"bfloat16"`` (``2·r·(R + C)`` bytes, so rank ``2r`` at rank ``r``'s
+      float32 bytes; rounded as ``momentum_rounding`` says; the step computes
+      in float32 either way).
     lowrank_complement: with ``"lowrank"`` momentum and an orthogonal
       direction, the weight ``λ`` of the update's part outside the stored
       momentum's subspace: ``u ← P·Pᵀ·u + λ·(u − P·Pᵀ·u)``, with ``P`` the
@@ -177,6 +181,7 @@ class TierConfig:
   momentum_rounding: str = "stochastic"
   lowrank_rank: int = 16
   lowrank_complement: float = 1.0
+  lowrank_dtype: str = "float32"
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -189,9 +194,8 @@ class TierConfig:
     # A NumPy integer (np.int64 from a config file) is stored as a Python int,
     # so equal configs compare and hash equal.
     object.__setattr__(self, "int8_block_size", int(self.int8_block_size))
-    encodings.get_encoding(self.momentum, block_size=self.int8_block_size,
-                           int8_code=self.int8_code, rounding=self.momentum_rounding,
-                           rank=self.lowrank_rank)
+    self.momentum_encoding()
+    object.__setattr__(self, "lowrank_dtype", jnp.dtype(self.lowrank_dtype).name)
     if self.momentum == "sign" and self.second_moment == "exact" and self.direction == "adam":
       raise ValueError(
           "momentum='sign' with second_moment='exact' has no bound on the update: the "
@@ -245,6 +249,13 @@ class TierConfig:
       raise ValueError(
           f"nu_dtype {dtype.name} needs 64-bit JAX (jax.config.update("
           "'jax_enable_x64', True)); without it JAX stores and computes float32.")
+
+  def momentum_encoding(self) -> Optional[encodings.MomentumEncoding]:
+    """The tier's momentum encoding (``None`` for ``"none"``), before a leaf's
+    shape chooses between it and float32 (vectors, complex leaves)."""
+    return encodings.get_encoding(self.momentum, block_size=self.int8_block_size,
+                                  int8_code=self.int8_code, rounding=self.momentum_rounding,
+                                  rank=self.lowrank_rank, lowrank_dtype=self.lowrank_dtype)
 
 
 # The defaults were chosen by experiments/compare.py's ablation (choose_default):
@@ -446,10 +457,7 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   plans = []
   for leaf, tier, axes, allow in zip(leaves, tiers, declared, allowed):
     config = configs[tier]
-    encoding = encodings.get_encoding(config.momentum, block_size=config.int8_block_size,
-                                      int8_code=config.int8_code,
-                                      rounding=config.momentum_rounding,
-                                      rank=config.lowrank_rank)
+    encoding = config.momentum_encoding()
     if encoding is not None and (_is_complex(leaf) or (encoding.matrix_only and axes is None)):
       encoding = encodings.DenseEncoding(
           jnp.complex64 if _is_complex(leaf) else jnp.float32)

@@ -163,6 +163,10 @@ class TrainConfig:
   expert_lowrank_rank: int | None = setting(
       None, "with --expert-momentum lowrank: the rank of each expert matrix's momentum "
       "factors (default: the library's, 16)", structural=True, kind=int)
+  expert_lowrank_dtype: str | None = setting(
+      None, "with --expert-momentum lowrank: the factors' storage dtype (bfloat16: half "
+      "the bytes, so twice the rank at the same state; default: the library's, float32)",
+      structural=True, choices=skewadam_jax.encodings.LOWRANK_DTYPES, kind=str)
   expert_lowrank_complement: float | None = setting(
       None, "with --expert-momentum lowrank and an orthogonal expert direction: the weight "
       "of the update's part outside the momentum's rank-r subspace, 0 to 1 (default: the "
@@ -281,6 +285,7 @@ class TrainConfig:
     expert = {k: v for k, v in (("momentum", self.resolved_expert_momentum),
                                 ("lowrank_rank", None if self.expert_lowrank_rank is None
                                  else int(self.expert_lowrank_rank)),
+                                ("lowrank_dtype", self.expert_lowrank_dtype),
                                 ("direction", library(self.expert_direction)),
                                 ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
     if self.expert_lowrank_complement is not None:  # 0 is a value
@@ -540,7 +545,7 @@ TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
                "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
                "contain_nonfinite", "nesterov", "expert_lowrank_rank",
-               "expert_lowrank_complement")
+               "expert_lowrank_complement", "expert_lowrank_dtype")
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:

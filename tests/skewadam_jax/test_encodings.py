@@ -228,6 +228,55 @@ def test_lowrank_momentum_is_exact_for_a_low_rank_matrix_and_finds_the_top_subsp
     sa.TierConfig("lowrank", "factored", lowrank_rank=0)
 
 
+def test_lowrank_bf16_factors_halve_the_bytes_and_keep_the_product():
+  axes = sa.MatrixAxes(1, 2)
+  wide = encodings.get_encoding("lowrank", rank=3)
+  half = encodings.get_encoding("lowrank", rank=3, lowrank_dtype="bfloat16")
+  # By hand: r·(R + C) values a matrix, 2 bytes each.
+  assert half.bytes_per_param((1024, 1400)) == pytest.approx(2 * 3 * (1024 + 1400) / (1024 * 1400))
+  assert half.bytes_per_param((1024, 1400)) == pytest.approx(wide.bytes_per_param((1024, 1400)) / 2)
+  m = jax.random.normal(jax.random.PRNGKey(3), (2, 12, 20))
+  got, want = half.encode(m, axes), wide.encode(m, axes)
+  assert {k: v.dtype for k, v in got.items()} == {"mu_row": jnp.bfloat16, "mu_col": jnp.bfloat16}
+  # The same subspace iteration, each factor rounded once: the product within a
+  # few bf16 steps of the float32 factors' (|P| <= 1, so the error is relative to m).
+  np.testing.assert_allclose(half.decode(got, axes), wide.decode(want, axes),
+                             atol=4 * 2.0**-8 * float(jnp.max(jnp.abs(m))))
+  got = half.encode(m, axes, previous=got)  # refined from stored bf16 factors
+  assert got["mu_col"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="lowrank_dtype must be one of"):
+    sa.TierConfig("lowrank", "factored", lowrank_dtype="float16")
+  assert sa.TierConfig("lowrank", lowrank_dtype=jnp.bfloat16).lowrank_dtype == "bfloat16"
+
+
+def test_lowrank_bf16_factors_rounded_stochastically_carry_an_unbiased_ema():
+  # The EMA m ← b1·m̃ + (1 − b1)·g of a constant rank-2 gradient, carried in
+  # rank-2 bf16 factors, must reach g. Rounded to nearest, every increment below
+  # half a bf16 step of the factors is dropped and the EMA stalls short of g (at
+  # 0.79 of it here); rounded stochastically, it follows g to the noise of the
+  # rounding (the ratio wanders by about 0.3 % over the steps).
+  axes = sa.MatrixAxes(0, 1)
+  keys = jax.random.split(jax.random.PRNGKey(5), 2)
+  g = jax.random.normal(keys[0], (16, 2)) @ jax.random.normal(keys[1], (2, 24))
+  b1 = 0.99
+
+  def carried(rounding):
+    enc = encodings.get_encoding("lowrank", rank=2, lowrank_dtype="bfloat16", rounding=rounding)
+
+    def step(count, parts):
+      m = b1 * enc.decode(parts, axes) + (1 - b1) * g
+      return enc.encode(m, axes, salt=count, previous=parts)
+
+    parts = jax.jit(lambda: jax.lax.fori_loop(0, 1500, step, enc.encode(jnp.zeros_like(g), axes)))()
+    m = enc.decode(parts, axes)
+    return m, float(jnp.sum(m * g) / jnp.sum(g * g))  # (1 − 0.99^1500) = 1 − 3e-7: g's is 1
+
+  m, ratio = carried("stochastic")
+  assert abs(ratio - 1.0) < 0.01, ratio
+  np.testing.assert_allclose(m, g, atol=0.2 * float(jnp.std(g)))
+  assert carried("nearest")[1] < 0.9
+
+
 def test_lowrank_expert_momentum_steps_in_both_directions():
   params = {"layers": {"moe": {"experts": {"w_up": jnp.zeros((2, 4, 16, 24))}}}}
   for direction in ("adam", "orthogonal"):
