@@ -73,6 +73,9 @@
 #   muon-scale-rank-32-bf16  rank 32 in bfloat16: the default's 1.064 GB (rank 16's float32
 #                            bytes) at every preset, so beside muon-scale it says what half
 #                            the precision and twice the rank do at equal bytes. A candidate
+#   muon-scale-rank-6-bf16   rank 6 in bfloat16 (1.125 bits a parameter on small, as rank 3
+#                            in float32): rank 42 in bfloat16's share of bytes at moe-6.78b,
+#                            the budget's most, on small's matrices. A measure
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -107,6 +110,7 @@ declare -A FLAGS=(
   [muon-scale-rank-3]="$MUON_SCALE --expert-lowrank-rank 3"
   [muon-scale-rank-42-bf16]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-32-bf16]="$MUON_SCALE --expert-lowrank-rank 32 --expert-lowrank-dtype bfloat16"
+  [muon-scale-rank-6-bf16]="$MUON_SCALE --expert-lowrank-rank 6 --expert-lowrank-dtype bfloat16"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
