@@ -76,6 +76,14 @@
 #   muon-scale-rank-6-bf16   rank 6 in bfloat16 (1.125 bits a parameter on small, as rank 3
 #                            in float32): rank 42 in bfloat16's share of bytes at moe-6.78b,
 #                            the budget's most, on small's matrices. A measure
+# and, as rank 42 in bfloat16 was level with rank 16 in float32 at seeds 0 and 1 (so
+# rank 32 between them and rank 6 below rank 3's level were not run), whether the
+# low-rank form reaches fp32's result at all, and bfloat16 factors with it:
+#   muon-scale-rank-128-bf16  rank 128 in bfloat16: every row of small's 128 x 256
+#                             experts, so the subspace is the whole space and only the
+#                             rounding differs from fp32 momentum (a control; 3 bytes a
+#                             parameter on small)
+#   muon-scale-rank-64-bf16   rank 64 in bfloat16: half the rows (a measure)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -111,6 +119,8 @@ declare -A FLAGS=(
   [muon-scale-rank-42-bf16]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-32-bf16]="$MUON_SCALE --expert-lowrank-rank 32 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-6-bf16]="$MUON_SCALE --expert-lowrank-rank 6 --expert-lowrank-dtype bfloat16"
+  [muon-scale-rank-128-bf16]="$MUON_SCALE --expert-lowrank-rank 128 --expert-lowrank-dtype bfloat16"
+  [muon-scale-rank-64-bf16]="$MUON_SCALE --expert-lowrank-rank 64 --expert-lowrank-dtype bfloat16"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
