@@ -84,6 +84,11 @@
 #                             rounding differs from fp32 momentum (a control; 3 bytes a
 #                             parameter on small)
 #   muon-scale-rank-64-bf16   rank 64 in bfloat16: half the rows (a measure)
+# (rank 128 was stopped at step 133: its QR of every expert at full rank took 5 s a step
+# beside two other runs, two hours to finish; in its place, the rounding alone:)
+#   muon-scale-rank-16-bf16   rank 16 in bfloat16: the default's rank, only the factors'
+#                             rounding differs from muon-scale (a control, 0.706 GB at
+#                             moe-6.78b)
 # and muon-scale-rank-42-bf16-seed2: the budget's most, its mean at seeds 0 and 1 (57.88)
 # the best within 1.29 GB there (rank 16: 57.92), over the 3 seeds the goal is stated at
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
@@ -123,6 +128,7 @@ declare -A FLAGS=(
   [muon-scale-rank-6-bf16]="$MUON_SCALE --expert-lowrank-rank 6 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-128-bf16]="$MUON_SCALE --expert-lowrank-rank 128 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-64-bf16]="$MUON_SCALE --expert-lowrank-rank 64 --expert-lowrank-dtype bfloat16"
+  [muon-scale-rank-16-bf16]="$MUON_SCALE --expert-lowrank-dtype bfloat16"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
