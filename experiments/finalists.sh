@@ -10,7 +10,9 @@
 # none, only the table). About 17 min a run alone on 2 CPU cores, 19 beside another.
 # Seeds 0 to 2 are the runs the studies already hold (SEED_RUNS below). The table also
 # sets a challenger beside Muon: muon_gap.sh's muon-scale row (the default with Muon's
-# width scaling at Muon's rate and weight decay), whose five seeds that script trains.
+# width scaling at Muon's rate and weight decay), whose five seeds that script trains,
+# and muon_gap.sh's muon-scale-rank-42-bf16 (that row with rank-42 bfloat16 factors:
+# 1.287 GB at moe-6.78b, the most the budget buys), at the three seeds it trains.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -43,12 +45,19 @@ SEED_RUNS = {  # seeds 0 to 2 at each tuned point (expert_momentum.sh, tune_more
                                                  "muon-weight-decay-0.2-seed2")],
     "muon-scale": [R / "muon-gap-runs" / ("muon-scale" + (f"-seed{s}" if s else ""))
                    for s in range(5)],
+    "muon-scale-rank-42-bf16": [R / "muon-gap-runs" / ("muon-scale-rank-42-bf16"
+                                                       + (f"-seed{s}" if s else ""))
+                                for s in range(3)],
 }
 NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default)",
          "muon": "Muon (`optax.contrib.muon`), weight decay 0.2",
          "muon-scale": "the default with Muon's width scaling, rate 1.5e-2, weight decay 0.2 "
-                       "(`muon_gap.sh`'s `muon-scale`)"}
-TEXT = {"lowrank": "The default", "muon-scale": "The default with Muon's scaling"}
+                       "(`muon_gap.sh`'s `muon-scale`)",
+         "muon-scale-rank-42-bf16": "that row with rank-42 bfloat16 expert momentum factors, "
+                                    "1.287 GB at moe-6.78b (`muon_gap.sh`'s "
+                                    "`muon-scale-rank-42-bf16`)"}
+TEXT = {"lowrank": "The default", "muon-scale": "The default with Muon's scaling",
+        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling"}
 rows = {}
 print("| contender | seeds | val ppl by seed | mean ± std |\n|---|---|---|---|")
 for name, dirs in SEED_RUNS.items():
