@@ -12,7 +12,8 @@
 # sets a challenger beside Muon: muon_gap.sh's muon-scale row (the default with Muon's
 # width scaling at Muon's rate and weight decay), whose five seeds that script trains,
 # and muon_gap.sh's muon-scale-rank-42-bf16 (that row with rank-42 bfloat16 factors:
-# 1.287 GB at moe-6.78b, the most the budget buys), at the three seeds it trains.
+# 1.287 GB at moe-6.78b, the most the budget buys), over the seeds of the five that
+# script has finished.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -47,7 +48,7 @@ SEED_RUNS = {  # seeds 0 to 2 at each tuned point (expert_momentum.sh, tune_more
                    for s in range(5)],
     "muon-scale-rank-42-bf16": [R / "muon-gap-runs" / ("muon-scale-rank-42-bf16"
                                                        + (f"-seed{s}" if s else ""))
-                                for s in range(3)],
+                                for s in range(5)],
 }
 NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default)",
          "muon": "Muon (`optax.contrib.muon`), weight decay 0.2",

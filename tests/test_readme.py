@@ -194,6 +194,26 @@ def test_the_figures_at_a_glance_are_the_results_files():
           f"but {bits['moe-6.78b']:.2f} on `moe-6.78b`'s") in text
   assert (f"level with no expert momentum ({ppl_text(at_share['muon-scale-rank-2'])} against "
           f"{ppl_text(at_share['muon-scale-none'])} at seeds 0 and 1)") in text
+  # the closest row within the budget (muon_gap.sh's rank-42 bf16 factors), over the seeds
+  # it has finished, against Muon's five, and its bits a parameter on small and moe-6.78b
+  rank42 = [val_ppl(d.relative_to(RESULTS)) for d in sorted(
+      (RESULTS / "muon-gap-runs").glob("muon-scale-rank-42-bf16*")) if (d / "summary.json").exists()]
+  behind = statistics.mean(rank42) - statistics.mean(tuned_muon)
+  error = math.hypot(statistics.stdev(rank42) / math.sqrt(len(rank42)),
+                     statistics.stdev(tuned_muon) / math.sqrt(len(tuned_muon)))
+  tiers42 = config_lib.tiers_from_args(state_bytes.build_parser().parse_args(
+      ["--expert-lowrank-rank", "42", "--expert-lowrank-dtype", "bfloat16"]))
+  bits42 = {preset: accounting.bits_per_param(
+                accounting.state_bytes(preset, "skewadam", skewadam_tiers=tiers42),
+                accounting.params_by_tier(preset, skewadam_tiers=tiers42))["expert"]
+            for preset in ("small", "moe-6.78b")}
+  state42 = accounting.state_bytes("moe-6.78b", "skewadam", skewadam_tiers=tiers42)["total"]
+  assert (f"(`--expert-lowrank-dtype bfloat16`, {state42 / 1e9:.3f} GB) under Muon's scaling: "
+          f"{ppl_text(rank42)} over {len(rank42)} seeds, {behind:.2f} behind Muon, "
+          f"{behind / error:.2f} standard errors") in text
+  assert state42 <= 1.29e9
+  assert (f"({bits42['small']:.2f} bits a parameter there, {bits42['moe-6.78b']:.2f} at "
+          "`moe-6.78b`)") in text
   assert gap["muon-like"] < muon[0] and gap["muon-like-seed1"] < muon[1]
   assert gap["muon-scale-fp32-experts"] < muon[0] < gap["muon-like-lowrank"]
   assert gap["muon-scale-fp32-experts-seed1"] < muon[1]
