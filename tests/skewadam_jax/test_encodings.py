@@ -247,6 +247,14 @@ def test_lowrank_bf16_factors_halve_the_bytes_and_keep_the_product():
   with pytest.raises(ValueError, match="lowrank_dtype must be one of"):
     sa.TierConfig("lowrank", "factored", lowrank_dtype="float16")
   assert sa.TierConfig("lowrank", lowrank_dtype=jnp.bfloat16).lowrank_dtype == "bfloat16"
+  # The tier's encoding is the one get_encoding builds from its fields (the default
+  # momentum_rounding, stochastic, reaches the bf16 factors; float32 ones ignore it).
+  tier = sa.TierConfig("lowrank", lowrank_rank=3, lowrank_dtype="bfloat16")
+  assert tier.momentum_encoding() == encodings.get_encoding(
+      "lowrank", rank=3, lowrank_dtype="bfloat16", rounding="stochastic")
+  assert tier.momentum_encoding().stochastic
+  assert not sa.TierConfig("lowrank").momentum_encoding().stochastic
+  assert sa.TierConfig("none").momentum_encoding() is None
 
 
 def test_lowrank_bf16_factors_rounded_stochastically_carry_an_unbiased_ema():
