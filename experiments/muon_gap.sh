@@ -93,7 +93,12 @@
 # the best within 1.29 GB there (rank 16: 57.92), over the 3 seeds the goal is stated at;
 # and, as its 3 seeds (57.69) came within 0.24 of Muon's at the same seeds, its seeds 3
 # and 4, decided before either ran and reported whatever they give, to set it beside
-# Muon's five in finalists.md as muon-scale's five are
+# Muon's five in finalists.md as muon-scale's five are;
+# and muon-scale-rank-6-bf16 at seeds 0 and 1 after all (2026-12-05, decided before either
+# ran and reported whatever they give): the candidate's form at the candidate's share of
+# bytes at moe-6.78b (1.125 bits a parameter on small), beside rank 3 in float32 (59.45)
+# and no expert momentum (59.30) at the same seeds, so the caveat on rank 42 is a
+# measurement, not a guess
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
