@@ -216,6 +216,19 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert state42 <= 1.29e9
   assert (f"({bits42['small']:.2f} bits a parameter there, {bits42['moe-6.78b']:.2f} at "
           "`moe-6.78b`)") in text
+  # rank 42 in bf16's share of bytes at moe-6.78b, on small: rank 6 in bf16
+  tiers6 = config_lib.tiers_from_args(state_bytes.build_parser().parse_args(
+      ["--expert-lowrank-rank", "6", "--expert-lowrank-dtype", "bfloat16"]))
+  bits6 = accounting.bits_per_param(
+      accounting.state_bytes("small", "skewadam", skewadam_tiers=tiers6),
+      accounting.params_by_tier("small", skewadam_tiers=tiers6))["expert"]
+  assert abs(bits6 - bits42['moe-6.78b']) < 0.05  # the nearest rank to that share
+  rank6 = [val_ppl(f"muon-gap-runs/muon-scale-rank-6-bf16{s}") for s in ("", "-seed1")]
+  none = at_share["muon-scale-none"]
+  assert (f"at that share on `small` (rank 6 in bfloat16) it gives {ppl_text(rank6)} at seeds 0 "
+          "and 1, within noise of no expert momentum") in text
+  assert abs(statistics.mean(rank6) - statistics.mean(none)) <= 2 * max(
+      statistics.stdev(rank6), statistics.stdev(none))
   assert gap["muon-like"] < muon[0] and gap["muon-like-seed1"] < muon[1]
   assert gap["muon-scale-fp32-experts"] < muon[0] < gap["muon-like-lowrank"]
   assert gap["muon-scale-fp32-experts-seed1"] < muon[1]
