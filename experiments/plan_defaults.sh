@@ -82,3 +82,13 @@ DIR=$GPU plan moe-47b-h200-skewadam-library-update-in-backward --preset moe-47b 
 # The same step of skewadam() planned for the H100: Hopper's program, 80 GB.
 DIR=$GPU plan moe-6.78b-h100-skewadam-library --preset moe-6.78b --target h100-80gb --seq-len 2048 \
   --no-search --optimizer skewadam "${ADAM[@]}" --batch-size 1
+# #42's best row within 1.29 GB (muon_gap.sh's muon-scale-rank-42-bf16: rank-42 bfloat16
+# expert factors under Muon's width scaling), which the rule (comparison.choose_default)
+# would weigh against the default: its standard step, its step with the update inside the
+# backward pass, and moe-47b on one H200 (the README's rows, for this configuration)
+RANK42=(--backbone-orthogonal-scale width --expert-orthogonal-scale width
+        --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16)
+plan skewadam-rank42-bf16 "${A100[@]}" "${RANK42[@]}"
+plan skewadam-rank42-bf16-update-in-backward "${A100[@]}" "${RANK42[@]}" --update-in-backward
+plan moe-47b-h200-skewadam-rank42-bf16-update-in-backward "${H200[@]}" "${RANK42[@]}" \
+  --update-in-backward
