@@ -197,7 +197,9 @@ def test_the_figures_at_a_glance_are_the_results_files():
   # the closest row within the budget (muon_gap.sh's rank-42 bf16 factors), over the seeds
   # it has finished, against Muon's five, and its bits a parameter on small and moe-6.78b
   rank42 = [val_ppl(d.relative_to(RESULTS)) for d in sorted(
-      (RESULTS / "muon-gap-runs").glob("muon-scale-rank-42-bf16*")) if (d / "summary.json").exists()]
+      (RESULTS / "muon-gap-runs").glob("muon-scale-rank-42-bf16*"))
+      if re.fullmatch(r"muon-scale-rank-42-bf16(-seed\d+)?", d.name)  # its seeds, not its rates
+      and (d / "summary.json").exists()]
   behind = statistics.mean(rank42) - statistics.mean(tuned_muon)
   error = math.hypot(statistics.stdev(rank42) / math.sqrt(len(rank42)),
                      statistics.stdev(tuned_muon) / math.sqrt(len(tuned_muon)))
