@@ -110,6 +110,12 @@
 # (58.04 and 58.31 against 160's 58.50: both edges improve, so each goes one step
 # further, as the procedure has it, decided before either ran:
 #   muon-scale-rank-42-bf16-warmup-30, muon-scale-rank-42-bf16-warmup-640)
+# (57.99 and 57.69: both edges improve again, each by less than the row's spread over
+# five seeds. The coordinate stops there, at the longest warmup any contender had
+# (AdamW's 640; a step further warms up over 80 % of the run), and its point moves to
+# 640, its best at seed 0.) The third coordinate, the momentum (b1, which every tier
+# shares, both ways as the contenders had it), at that point, decided before either ran:
+#   muon-scale-rank-42-bf16-warmup-640-b1-0.95, muon-scale-rank-42-bf16-warmup-640-b1-0.85
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -154,6 +160,8 @@ declare -A FLAGS=(
   [muon-scale-rank-42-bf16-warmup-320]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 320"
   [muon-scale-rank-42-bf16-warmup-30]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 30"
   [muon-scale-rank-42-bf16-warmup-640]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640"
+  [muon-scale-rank-42-bf16-warmup-640-b1-0.95]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --b1 0.95"
+  [muon-scale-rank-42-bf16-warmup-640-b1-0.85]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --b1 0.85"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
