@@ -116,12 +116,18 @@
 # 640, its best at seed 0.) The third coordinate, the momentum (b1, which every tier
 # shares, both ways as the contenders had it), at that point, decided before either ran:
 #   muon-scale-rank-42-bf16-warmup-640-b1-0.95, muon-scale-rank-42-bf16-warmup-640-b1-0.85
+# (60.34 and 58.50 against 57.69: worse both ways, so b1 stays 0.9.) The fourth, the
+# weight decay's two neighbours (x0.5, x2 of Muon's 0.2) at that point, decided before
+# either ran:
+#   muon-scale-rank-42-bf16-warmup-640-wd-0.1, muon-scale-rank-42-bf16-warmup-640-wd-0.4
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
 # decided before its seed 2 finished, to set it beside the finalists' five seeds in
-# finalists.md, which reads them from here). About 25 min a row on 2 CPU
-# cores beside another run. A finished row is not trained again.
+# finalists.md, which reads them from here). A rank-42 row takes about 14 min alone
+# on this 2-core CPU and about 68 min beside another (two trainings thrash the two
+# cores: rows train one after another, as ROWS does). A finished row is not trained
+# again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -162,6 +168,8 @@ declare -A FLAGS=(
   [muon-scale-rank-42-bf16-warmup-640]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640"
   [muon-scale-rank-42-bf16-warmup-640-b1-0.95]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --b1 0.95"
   [muon-scale-rank-42-bf16-warmup-640-b1-0.85]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --b1 0.85"
+  [muon-scale-rank-42-bf16-warmup-640-wd-0.1]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.1"
+  [muon-scale-rank-42-bf16-warmup-640-wd-0.4]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.4"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
