@@ -141,6 +141,8 @@ BASE=("${LONG_RUN[@]}" --no-progress --optimizer skewadam --lr 0.0135 --warmup-s
 # Adam-direction leaves), which the rows below combine
 MUON_SCALE="--backbone-orthogonal-scale width --expert-orthogonal-scale width --lr 0.015 --weight-decay 0.2"
 MUON_BACKBONE="--backbone-momentum fp32 --orthogonal-rest-tier router --nesterov on"
+# the candidate: rank-42 expert momentum factors in bfloat16 under Muon's scaling
+RANK42_BF16="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16"
 declare -A FLAGS=(
   [muon-scale]="$MUON_SCALE"
   [exact-v]="--backbone-second-moment exact"
@@ -154,22 +156,22 @@ declare -A FLAGS=(
   [muon-scale-none]="$MUON_SCALE --expert-momentum none"
   [muon-scale-rank-2]="$MUON_SCALE --expert-lowrank-rank 2"
   [muon-scale-rank-3]="$MUON_SCALE --expert-lowrank-rank 3"
-  [muon-scale-rank-42-bf16]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16"
+  [muon-scale-rank-42-bf16]="$RANK42_BF16"
   [muon-scale-rank-32-bf16]="$MUON_SCALE --expert-lowrank-rank 32 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-6-bf16]="$MUON_SCALE --expert-lowrank-rank 6 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-128-bf16]="$MUON_SCALE --expert-lowrank-rank 128 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-64-bf16]="$MUON_SCALE --expert-lowrank-rank 64 --expert-lowrank-dtype bfloat16"
   [muon-scale-rank-16-bf16]="$MUON_SCALE --expert-lowrank-dtype bfloat16"
-  [muon-scale-rank-42-bf16-lr-0.0075]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --lr 0.0075"
-  [muon-scale-rank-42-bf16-lr-0.03]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --lr 0.03"
-  [muon-scale-rank-42-bf16-warmup-60]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 60"
-  [muon-scale-rank-42-bf16-warmup-320]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 320"
-  [muon-scale-rank-42-bf16-warmup-30]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 30"
-  [muon-scale-rank-42-bf16-warmup-640]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640"
-  [muon-scale-rank-42-bf16-warmup-640-b1-0.95]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --b1 0.95"
-  [muon-scale-rank-42-bf16-warmup-640-b1-0.85]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --b1 0.85"
-  [muon-scale-rank-42-bf16-warmup-640-wd-0.1]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.1"
-  [muon-scale-rank-42-bf16-warmup-640-wd-0.4]="$MUON_SCALE --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.4"
+  [muon-scale-rank-42-bf16-lr-0.0075]="$RANK42_BF16 --lr 0.0075"
+  [muon-scale-rank-42-bf16-lr-0.03]="$RANK42_BF16 --lr 0.03"
+  [muon-scale-rank-42-bf16-warmup-60]="$RANK42_BF16 --warmup-steps 60"
+  [muon-scale-rank-42-bf16-warmup-320]="$RANK42_BF16 --warmup-steps 320"
+  [muon-scale-rank-42-bf16-warmup-30]="$RANK42_BF16 --warmup-steps 30"
+  [muon-scale-rank-42-bf16-warmup-640]="$RANK42_BF16 --warmup-steps 640"
+  [muon-scale-rank-42-bf16-warmup-640-b1-0.95]="$RANK42_BF16 --warmup-steps 640 --b1 0.95"
+  [muon-scale-rank-42-bf16-warmup-640-b1-0.85]="$RANK42_BF16 --warmup-steps 640 --b1 0.85"
+  [muon-scale-rank-42-bf16-warmup-640-wd-0.1]="$RANK42_BF16 --warmup-steps 640 --weight-decay 0.1"
+  [muon-scale-rank-42-bf16-warmup-640-wd-0.4]="$RANK42_BF16 --warmup-steps 640 --weight-decay 0.4"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
