@@ -120,6 +120,10 @@
 # weight decay's two neighbours (x0.5, x2 of Muon's 0.2) at that point, decided before
 # either ran:
 #   muon-scale-rank-42-bf16-warmup-640-wd-0.1, muon-scale-rank-42-bf16-warmup-640-wd-0.4
+# (58.24 and 60.76 against 0.2's 57.69: worse both ways, so the weight decay stays 0.2.)
+# The procedure ends at rate 1.5e-2, warmup 640, b1 0.9, weight decay 0.2; the point
+# moved (warmup 640), so it gets seeds 1 and 2, decided before either ran:
+#   muon-scale-rank-42-bf16-warmup-640-seed1, muon-scale-rank-42-bf16-warmup-640-seed2
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
