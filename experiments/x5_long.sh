@@ -4,7 +4,10 @@
 # on `small` (rate swept at 1600 steps, then warmup, momentum and weight decay:
 # tune-warmup.md, tune-more.md; no sweep at this scale): the training command's default (the
 # orthogonal tiers, rank-16 expert momentum), Muon and AdamW, and muon_gap.sh's
-# challenger (muon-scale: Muon's width scaling at Muon's rate). A row is CONTENDER
+# challenger (muon-scale: Muon's width scaling at Muon's rate), and its candidate at the
+# point the contenders' procedure ended on for it on small (rank42-bf16: rank-42 expert
+# momentum factors in bfloat16, warmup 640; seeds 0 and 1, decided before its seeds 1
+# and 2 on small finished, and reported whatever they give). A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
@@ -25,6 +28,8 @@ declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md
   # the challenger from experiments/muon_gap.sh: the default with Muon's width scaling
   # at Muon's rate and weight decay
   [muon-scale]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
+  # muon_gap.sh's rank-42 bfloat16 candidate at its tuned point on small (quality page)
+  [rank42-bf16]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then
