@@ -30,6 +30,7 @@ TIER_KEYS = {
     "backbone_v": ("backbone", "second_moment", "backbone_second_moment"),
     "expert_m": ("expert", "momentum", "expert_momentum"),
     "expert_rank": ("expert", "lowrank_rank", "expert_lowrank_rank"),
+    "expert_dtype": ("expert", "lowrank_dtype", "expert_lowrank_dtype"),
     "expert_complement": ("expert", "lowrank_complement", "expert_lowrank_complement"),
     "router_v": ("router", "second_moment", "router_second_moment"),
     "backbone_dir": ("backbone", "direction", "backbone_direction"),
@@ -52,7 +53,7 @@ TIER_KEYS = {
 IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam", "backbone_scale": "adam_rms",
             "expert_scale": "adam_rms", "rest": "backbone", "ns_chunk": "auto",
             "ns_dtype": "float32", "m_round": "nearest", "u_clip": "off", "contain": "off",
-            "expert_rank": 16, "expert_complement": 1.0}
+            "expert_rank": 16, "expert_dtype": "float32", "expert_complement": 1.0}
 # What the library does now where that is not IMPLICIT's value: a configuration
 # that does not name the key runs this.
 CURRENT = {"m_round": "stochastic", "u_clip": "auto", "contain": "on"}

@@ -274,6 +274,21 @@ def test_the_attribution_keys_appear_only_when_set_and_reach_the_tiers():
   assert sweeps.parse_entries("", "backbone_dir=orthogonal,rest=router")[0][0] == "skewadam"
 
 
+def test_the_expert_factors_dtype_names_a_row_only_when_not_float32():
+  # muon_gap.sh's rank-42 bfloat16 candidate as a comparison's row; rows saved
+  # before the key existed (float32 factors) keep their identity.
+  lowrank = {"expert_m": "lowrank", "expert_rank": "42"}
+  assert sweeps.resolve_config(lowrank) == sweeps.resolve_config({**lowrank,
+                                                                   "expert_dtype": "float32"})
+  row = sweeps.resolve_config(sweeps.parse_skewadam_config(
+      "expert_m=lowrank,expert_rank=42,expert_dtype=bfloat16"))
+  assert row["expert_dtype"] == "bfloat16"
+  tiers = comparison.TrainConfig(**comparison.train_overrides(row)).skewadam_tiers()
+  assert tiers["expert"]["lowrank_dtype"] == "bfloat16"
+  with pytest.raises(ValueError, match="lowrank_dtype must be one of"):
+    sweeps.parse_entries("", "expert_m=lowrank,expert_dtype=float16")
+
+
 def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
   config = comparison.TrainConfig(preset="tiny", steps=3)
   saved = json.loads(json.dumps(config.as_dict()))  # as a run saves it
