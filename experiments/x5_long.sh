@@ -7,7 +7,11 @@
 # challenger (muon-scale: Muon's width scaling at Muon's rate), and its candidate at the
 # point the contenders' procedure ended on for it on small (rank42-bf16: rank-42 expert
 # momentum factors in bfloat16, warmup 640; seeds 0 and 1, decided before its seeds 1
-# and 2 on small finished, and reported whatever they give). A row is CONTENDER
+# and 2 on small finished, and reported whatever they give); and, decided while its
+# seed 0 ran (at step 1300 it was 3.9 behind the default's seed 0, still decaying from
+# a warmup of 40 % of the run), the candidate at the 10 % warmup every command has
+# (rank42-bf16-warmup-160, seed 0 first), which its three seeds on small measured level
+# with 640's, so the form and the warmup are told apart. A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
@@ -30,6 +34,7 @@ declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md
   [muon-scale]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
   # muon_gap.sh's rank-42 bfloat16 candidate at its tuned point on small (quality page)
   [rank42-bf16]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
+  [rank42-bf16-warmup-160]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then
