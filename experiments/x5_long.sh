@@ -11,7 +11,8 @@
 # seed 0 ran (at step 1300 it was 3.9 behind the default's seed 0, still decaying from
 # a warmup of 40 % of the run), the candidate at the 10 % warmup every command has
 # (rank42-bf16-warmup-160, seed 0 first), which its three seeds on small measured level
-# with 640's, so the form and the warmup are told apart. A row is CONTENDER
+# with 640's, so the form and the warmup are told apart (55.14 at seed 0 against 640's
+# 55.66; its seed 1, rank42-bf16-warmup-160-seed1, decided after that). A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
