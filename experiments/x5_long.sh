@@ -26,6 +26,8 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --config experiments/configs/small-x5.toml --no-progress
       --ckpt-every 100 --resume)
+# muon_gap.sh's rank-42 bfloat16 candidate, each row at its own warmup
+RANK42_BF16="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
 declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md, tune-more.md)
   [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
   [muon]="--optimizer muon --lr 0.015 --warmup-steps 160 --weight-decay 0.2"
@@ -34,8 +36,8 @@ declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md
   # at Muon's rate and weight decay
   [muon-scale]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
   # muon_gap.sh's rank-42 bfloat16 candidate at its tuned point on small (quality page)
-  [rank42-bf16]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 640 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
-  [rank42-bf16-warmup-160]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
+  [rank42-bf16]="$RANK42_BF16 --warmup-steps 640"
+  [rank42-bf16-warmup-160]="$RANK42_BF16 --warmup-steps 160"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then
