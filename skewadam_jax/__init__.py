@@ -37,6 +37,7 @@ from skewadam_jax.accounting import state_bytes_per_param
 from skewadam_jax.accounting import tree_bytes
 from skewadam_jax.alias import EMBEDDING_PATTERNS
 from skewadam_jax.alias import ORTHOGONAL_EXPERT_MOMENTUM
+from skewadam_jax.alias import ORTHOGONAL_TIER_SETTINGS
 from skewadam_jax.alias import orthogonal_settings
 from skewadam_jax.alias import skewadam_orthogonal
 from skewadam_jax.axes import MatrixAxes
@@ -80,7 +81,7 @@ __version__ = "0.3.0"
 
 __all__ = [
     "BACKBONE", "DEFAULT_BACKBONE", "EMBEDDING_PATTERNS", "DEFAULT_EXPERT", "DEFAULT_ROUTER", "DIRECTIONS",
-    "ORTHOGONAL_EXPERT_MOMENTUM",
+    "ORTHOGONAL_EXPERT_MOMENTUM", "ORTHOGONAL_TIER_SETTINGS",
     "DecayScheduleState",
     "ENCODINGS", "EXPERT", "LayerwiseState", "LayerwiseStep", "LeafPlan", "MATRICES",
     "MatrixAxes", "PATTERNS",

@@ -13,6 +13,7 @@ does. Its defaults are the training command's (``python -m experiments.train``).
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -32,11 +33,29 @@ EMBEDDING_PATTERNS = (
     r"lm_head|logits_dense|output_embedding)(/|$)",
 )
 
-# The expert tier's momentum in skewadam_orthogonal: a rank-16 factorisation of
-# each expert matrix's momentum (encodings.LowRankEncoding), which the
-# comparison's rule chose over packed signs at 1600 steps within the 1.29 GB
-# budget (docs/results/quality.md; skewadam() keeps DEFAULT_EXPERT's signs).
-ORTHOGONAL_EXPERT_MOMENTUM = "lowrank"
+# What skewadam_orthogonal gives the backbone and expert tiers beyond their
+# direction, where a tier is None or a dict that does not set the key: the
+# settings the comparison's rule chose at 1600 steps within the 1.29 GB budget
+# (docs/results/quality.md). skewadam() keeps DEFAULT_BACKBONE's and
+# DEFAULT_EXPERT's; the training command's orthogonal tiers follow this table
+# (experiments.training.config.direction_default), so a default moves here only.
+ORTHOGONAL_TIER_SETTINGS = types.MappingProxyType({
+    "backbone": types.MappingProxyType({}),
+    # a rank-16 factorisation of each expert matrix's momentum
+    # (encodings.LowRankEncoding) in place of DEFAULT_EXPERT's packed signs
+    "expert": types.MappingProxyType({"momentum": "lowrank"}),
+})
+"""The settings :func:`skewadam_orthogonal` gives each tier beyond its direction.
+
+``{"backbone": {...}, "expert": {...}}``, read-only: a tier passed as ``None``
+or as a dict gets them where it does not set the key itself (a
+:class:`~skewadam_jax.TierConfig` is used as given). The training command's
+defaults for an orthogonal tier are these too
+(``experiments.training.config.direction_default``).
+"""
+
+# The expert tier's momentum in skewadam_orthogonal (ORTHOGONAL_TIER_SETTINGS's).
+ORTHOGONAL_EXPERT_MOMENTUM = ORTHOGONAL_TIER_SETTINGS["expert"]["momentum"]
 
 Patterns = Union[str, Sequence[str]]
 _DEFAULT = object()  # embeddings=: EMBEDDING_PATTERNS unless orthogonal_mask is given
@@ -94,8 +113,10 @@ def orthogonal_settings(*, direction: str = "orthogonal", embeddings: Any = _DEF
   elif embeddings is not None:
     orthogonal_mask = _orthogonal_unless_embedding(
         EMBEDDING_PATTERNS if embeddings is _DEFAULT else embeddings)
-  return {"backbone": _with_defaults(backbone, direction=direction),
-          "expert": _with_defaults(expert, direction=direction, momentum=ORTHOGONAL_EXPERT_MOMENTUM),
+  return {"backbone": _with_defaults(backbone, direction=direction,
+                                     **ORTHOGONAL_TIER_SETTINGS["backbone"]),
+          "expert": _with_defaults(expert, direction=direction,
+                                   **ORTHOGONAL_TIER_SETTINGS["expert"]),
           "orthogonal_mask": orthogonal_mask}
 
 
@@ -169,8 +190,9 @@ def skewadam_orthogonal(
     orthogonal_mask: instead of ``embeddings``, which declared matrices are
       orthogonalised (as in :func:`scale_by_skewadam`).
     backbone, expert, router: tier configs as in :func:`skewadam`. A dict
-      gets ``direction`` unless it sets one (the expert tier's also
-      ``momentum="lowrank"``); a :class:`TierConfig` is used as given.
+      gets ``direction`` and the tier's :data:`ORTHOGONAL_TIER_SETTINGS`
+      (the expert tier's ``momentum="lowrank"``) where it does not set
+      them; a :class:`TierConfig` is used as given.
     max_grad_norm: the global-norm clip inside the step (``None``: none).
     **kwargs: the rest of :func:`skewadam`'s keyword arguments
       (``param_labels``, ``matrix_axes``, ``nesterov``, ...).

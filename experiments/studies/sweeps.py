@@ -124,7 +124,11 @@ def train_overrides(config: dict) -> dict:
   # A key a resolved configuration leaves out has IMPLICIT's value, also where
   # the library's default is now another (CURRENT): a row saved before runs as it ran.
   before = {TIER_KEYS[key][2]: IMPLICIT[key] for key in CURRENT}
-  return {**library, **before, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
+  overrides = {**library, **before, **{TIER_KEYS[key][2]: value for key, value in config.items()}}
+  # A tier key it leaves out has the library's value, which the training
+  # command's default for an orthogonal tier (config.direction_default) may not be.
+  filled = config_lib.library_where_unset(overrides)
+  return {**overrides, **{k: v for k, v in filled.items() if k not in overrides}}
 
 
 def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str, dict | None]]:
@@ -168,9 +172,11 @@ def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
   if optimizer != "skewadam":
     return None
   config = {**TRAIN_DEFAULT, **(config or {})}
-  if "expert_m" not in config:  # the training command's default follows the direction
-    momentum = config_lib.expert_momentum_default(config.get("expert_dir", IMPLICIT["expert_dir"]))
-    config = {**config, **({"expert_m": momentum} if momentum else {})}
+  for key, (tier, _, field) in TIER_KEYS.items():
+    if key not in config and tier is not None:  # the training command's default follows the direction
+      value = config_lib.direction_default(field, config.get(f"{tier}_dir", IMPLICIT.get(f"{tier}_dir")))
+      if value is not None:
+        config[key] = value
   return resolve_config(config)
 
 

@@ -84,7 +84,11 @@ class TrainConfig:
                           structural=True, choices=optimizers.SCHEDULES)
   decay_fraction: float = setting(0.2, "with --schedule wsd or cooldown: the share of the "
                                   "steps spent in the final decay", structural=True)
-  weight_decay: float = setting(0.1, "decoupled weight decay on matrices", structural=True)
+  weight_decay: float | None = setting(
+      None, "decoupled weight decay on matrices (default: the optimizer's, 0.1; SkewAdam with "
+      "an orthogonal expert direction: skewadam_jax.skewadam_orthogonal()'s; "
+      "experiments.training.optimizers.default_weight_decay)", structural=True, kind=float,
+      before=optimizers.DEFAULT_WEIGHT_DECAY, saved_none=optimizers.DEFAULT_WEIGHT_DECAY)
   b1: float = setting(0.9, "first-moment decay of AdamW, of every SkewAdam tier and of "
                       "Muon's AdamW part (Muon's own momentum is --muon-momentum)",
                       structural=True)
@@ -150,7 +154,7 @@ class TrainConfig:
   attention_impl: str | None = setting(None, "jax.nn.dot_product_attention's implementation "
                                        "(default: the preset's, else JAX chooses)",
                                        structural=True, choices=("xla", "cudnn"), kind=str)
-  # None follows the expert tier's direction (expert_momentum_default): the
+  # None follows the expert tier's direction (direction_default): the
   # orthogonal ones take skewadam_orthogonal's rank-16 factors, which the
   # comparison's rule chose over packed signs (docs/results/quality.md); Adam's
   # keeps the library's signs. Runs save the value it resolved to (as_dict), so
@@ -259,18 +263,48 @@ class TrainConfig:
         overrides[name] = getattr(self, name)
     return models.get_preset(self.preset, **overrides)
 
+  def resolved(self, field: str) -> Any:
+    """A SkewAdam tier field's value, or, where it is unset (``None``), the
+    training command's default for its tier's direction
+    (:func:`direction_default`); ``None``: the library's.
+
+    Example:
+      >>> TrainConfig().resolved("expert_momentum")
+      'lowrank'
+      >>> TrainConfig(expert_direction="adam").resolved("expert_momentum") is None
+      True
+    """
+    value = getattr(self, field)
+    setting = _tier_setting(field)
+    if value is not None or setting is None:
+      return value
+    return direction_default(field, getattr(self, f"{setting[0]}_direction", None))
+
+  @property
+  def resolved_weight_decay(self) -> float:
+    """``weight_decay``, or the optimizer's default
+    (:func:`~experiments.training.optimizers.default_weight_decay`)."""
+    if self.weight_decay is not None:
+      return self.weight_decay
+    return optimizers.default_weight_decay(self.optimizer, self.skewadam_tiers())
+
   @property
   def resolved_expert_momentum(self) -> str | None:
     """``expert_momentum``, or its default for ``expert_direction``
-    (:func:`expert_momentum_default`); ``None``: the library's."""
-    return self.expert_momentum or expert_momentum_default(self.expert_direction)
+    (:meth:`resolved`); ``None``: the library's."""
+    return self.resolved("expert_momentum")
 
   def as_dict(self) -> dict:
     """The fields as a run saves them (``dataclasses.asdict``), with the
-    defaults that follow another field resolved (``expert_momentum``), so a
-    saved configuration reads the same after such a default changes."""
-    return {**dataclasses.asdict(self), "expert_momentum": self.resolved_expert_momentum
-            or skewadam_jax.DEFAULT_EXPERT.momentum}
+    defaults that follow another field resolved (:meth:`resolved`: the tier
+    settings that follow a direction; ``expert_momentum`` also to the
+    library's; the weight decay, :attr:`resolved_weight_decay`), so a saved configuration reads the same after such a default
+    changes."""
+    saved = dataclasses.asdict(self)
+    saved.update({name: self.resolved(name) for name in TIER_FIELDS if saved[name] is None})
+    saved["expert_momentum"] = saved["expert_momentum"] or skewadam_jax.DEFAULT_EXPERT.momentum
+    saved["weight_decay"] = self.resolved_weight_decay
+    return saved
 
   def skewadam_tiers(self) -> dict:
     """SkewAdam's tier settings that this configuration sets: ``{"backbone": {...},
@@ -282,14 +316,16 @@ class TrainConfig:
     # Adam's direction has the same tiers as one planned before the training
     # command's default changed.
     library = lambda d: None if d == optimizers.LIBRARY_DIRECTION else d
-    expert = {k: v for k, v in (("momentum", self.resolved_expert_momentum),
-                                ("lowrank_rank", None if self.expert_lowrank_rank is None
-                                 else int(self.expert_lowrank_rank)),
-                                ("lowrank_dtype", self.expert_lowrank_dtype),
+    rank = self.resolved("expert_lowrank_rank")
+    expert = {k: v for k, v in (("momentum", self.resolved("expert_momentum")),
+                                ("lowrank_rank", None if rank is None else int(rank)),
+                                ("lowrank_dtype", self.resolved("expert_lowrank_dtype")),
                                 ("direction", library(self.expert_direction)),
-                                ("orthogonal_scale", self.expert_orthogonal_scale)) if v}
-    if self.expert_lowrank_complement is not None:  # 0 is a value
-      expert["lowrank_complement"] = float(self.expert_lowrank_complement)
+                                ("orthogonal_scale", self.resolved("expert_orthogonal_scale")))
+              if v}
+    complement = self.resolved("expert_lowrank_complement")
+    if complement is not None:  # 0 is a value
+      expert["lowrank_complement"] = float(complement)
     chunk = _chunk_value(self.orthogonal_chunk)
     if chunk is None and _expert_shards(self.mesh) > 1:
       # Strided chunks of the expert axis, one expert a shard: the loop stays
@@ -301,16 +337,17 @@ class TrainConfig:
       expert.update(schedule)
     if expert:
       tiers["expert"] = expert
-    backbone = {k: v for k, v in (("momentum", self.backbone_momentum),
-                                  ("second_moment", self.backbone_second_moment),
+    backbone = {k: v for k, v in (("momentum", self.resolved("backbone_momentum")),
+                                  ("second_moment", self.resolved("backbone_second_moment")),
                                   ("direction", library(self.backbone_direction)),
-                                  ("orthogonal_scale", self.backbone_orthogonal_scale)) if v}
+                                  ("orthogonal_scale", self.resolved("backbone_orthogonal_scale")))
+                if v}
     if schedule and self.backbone_direction != optimizers.LIBRARY_DIRECTION:
       backbone.update(schedule)
     if backbone:
       tiers["backbone"] = backbone
-    if self.router_second_moment:
-      tiers["router"] = {"second_moment": self.router_second_moment}
+    if self.resolved("router_second_moment"):
+      tiers["router"] = {"second_moment": self.resolved("router_second_moment")}
     if self.momentum_rounding:
       for name in ("backbone", "expert", "router"):
         tiers.setdefault(name, {})["momentum_rounding"] = self.momentum_rounding
@@ -380,7 +417,7 @@ class TrainConfig:
     if self.lr is not None and not math.isfinite(self.lr):
       raise ValueError(f"--lr must be finite, got {self.lr}")
     for name in ("weight_decay", "clip_norm", "warmup_steps"):
-      if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN
+      if getattr(self, name) is not None and not 0 <= getattr(self, name) < math.inf:  # NaN too
         raise ValueError(f"--{name.replace('_', '-')} must be >= 0 and finite, "
                          f"got {getattr(self, name)}")
     if self.seed < 0:
@@ -410,19 +447,57 @@ class TrainConfig:
                          "layers' gradients are seen)")
 
 
-def expert_momentum_default(expert_direction: str | None) -> str | None:
-  """The training command's expert momentum for an expert direction: ``None``
-  (the library's, ``sign``) with Adam's, and
-  :data:`skewadam_jax.ORTHOGONAL_EXPERT_MOMENTUM` with an orthogonal one, as
-  :func:`skewadam_jax.skewadam` and :func:`skewadam_jax.skewadam_orthogonal` do.
+# The library's tier defaults, by tier name.
+LIBRARY_TIERS = {"backbone": skewadam_jax.DEFAULT_BACKBONE, "expert": skewadam_jax.DEFAULT_EXPERT,
+                 "router": skewadam_jax.DEFAULT_ROUTER}
+
+
+def _tier_setting(field: str) -> tuple[str, str] | None:
+  """``"expert_lowrank_rank"`` → ``("expert", "lowrank_rank")``; ``None`` for a
+  field that is not one tier's setting (``orthogonal_chunk``)."""
+  tier, _, key = field.partition("_")
+  return (tier, key) if tier in LIBRARY_TIERS and key != "direction" else None
+
+
+def direction_default(field: str, direction: str | None) -> Any:
+  """The training command's value of an unset SkewAdam tier field, for its
+  tier's direction.
+
+  With an orthogonal direction, the setting
+  :func:`skewadam_jax.skewadam_orthogonal` gives the tier
+  (:data:`skewadam_jax.ORTHOGONAL_TIER_SETTINGS`); with Adam's (the
+  library's), or for a setting the alias leaves alone, ``None``: the
+  library's, as :func:`skewadam_jax.skewadam` has it.
 
   Example:
-    >>> expert_momentum_default("orthogonal"), expert_momentum_default("adam")
+    >>> direction_default("expert_momentum", "orthogonal"), direction_default("expert_momentum", "adam")
     ('lowrank', None)
   """
-  if expert_direction in (None, optimizers.LIBRARY_DIRECTION):
+  setting = _tier_setting(field)
+  if setting is None or direction in (None, optimizers.LIBRARY_DIRECTION):
     return None
-  return skewadam_jax.ORTHOGONAL_EXPERT_MOMENTUM
+  tier, key = setting
+  return skewadam_jax.ORTHOGONAL_TIER_SETTINGS.get(tier, {}).get(key)
+
+
+def library_where_unset(config: dict) -> dict:
+  """``config`` with each tier field it leaves unset (``None`` or absent) that
+  the training command's default for its tier's direction sets
+  (:func:`direction_default`) set to the library's value instead: what the
+  field meant where it was saved unset, or what a tiers dict of the
+  library's arguments leaves out.
+
+  Example:
+    >>> library_where_unset({"expert_direction": "orthogonal", "expert_momentum": None})
+    {'expert_direction': 'orthogonal', 'expert_momentum': 'sign'}
+  """
+  filled = dict(config)
+  for field in TIER_FIELDS:
+    setting = _tier_setting(field)
+    if (setting and filled.get(field) is None
+        and direction_default(field, filled.get(f"{setting[0]}_direction")) is not None):
+      filled[field] = getattr(LIBRARY_TIERS[setting[0]], setting[1])
+  return filled
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -448,7 +523,9 @@ def with_defaults(saved: dict) -> dict:
   defaults = {f.name: f.metadata["before"] for f in fields}
   was_none = {f.name: f.metadata["saved_none"] for f in fields
               if f.metadata["saved_none"] is not None and saved.get(f.name, 0) is None}
-  return {**defaults, **saved, **was_none}
+  # A run saves the tier settings that follow a direction resolved
+  # (TrainConfig.as_dict), so one it saved unset was the library's.
+  return library_where_unset({**defaults, **saved, **was_none})
 
 
 def comparable(config: dict) -> dict:
@@ -628,11 +705,11 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
         raise ValueError(f"SkewAdam tier setting {tier}.{key} has no training flag; "
                          f"the flags are {', '.join(TIER_FIELDS)}")
       fields[name] = value
-  if (library_directions and "expert_momentum" not in fields
-      and expert_momentum_default(fields.get("expert_direction")) is not None):
-    # The library's expert momentum, which the training command's default for an
-    # orthogonal expert direction is not.
-    fields["expert_momentum"] = skewadam_jax.DEFAULT_EXPERT.momentum
+  if library_directions:
+    # What the library's arguments leave out is the library's, which the training
+    # command's default for an orthogonal tier (direction_default) may not be.
+    filled = library_where_unset(fields)
+    fields.update({k: v for k, v in filled.items() if k not in fields})
   return fields
 
 
@@ -740,7 +817,7 @@ def parse_with_config_file(parser, argv=None):
     ``(args, file_values)``: the parsed arguments and everything the file set
     (also the fields ``parser`` has no flag for).
   """
-  if not any("--config" in a.option_strings for a in parser._actions):  # pylint: disable=protected-access
+  if not any("--config" in a.option_strings for a in parser._actions):
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="a TOML configuration file (experiments/training/config.py, "
                         "load_config_file); flags given here override it")
@@ -748,6 +825,6 @@ def parse_with_config_file(parser, argv=None):
   first.add_argument("--config", default=None)
   known, _ = first.parse_known_args(argv)
   values = load_config_file(known.config) if known.config else {}
-  dests = {a.dest for a in parser._actions}  # pylint: disable=protected-access
+  dests = {a.dest for a in parser._actions}
   parser.set_defaults(**{k: v for k, v in values.items() if k in dests})
   return parser.parse_args(argv), values

@@ -31,6 +31,7 @@ Every baseline keeps its state in fp32 whatever the parameter dtype
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import jax
@@ -59,6 +60,26 @@ DEFAULT_DIRECTION = "orthogonal"
 # the sweep centre (its 1600-step best, 4.5e-3, is in the same file).
 SKEWADAM_LR = {"adam": DEFAULT_LR["skewadam"], "orthogonal": 1.35e-2,
                "normalized_orthogonal": 2.7e-2}
+
+
+# Decoupled weight decay on matrices without --weight-decay, every optimizer's;
+# SkewAdam with an orthogonal expert tier takes skewadam_orthogonal's default
+# (default_weight_decay), so the training command's default run is the alias.
+DEFAULT_WEIGHT_DECAY = 0.1
+
+
+def default_weight_decay(optimizer: str, skewadam_tiers: dict | None = None) -> float:
+  """The weight decay a run of ``optimizer`` takes without ``--weight-decay``.
+
+  Example:
+    >>> default_weight_decay("adamw"), default_weight_decay("skewadam", {})
+    (0.1, 0.1)
+  """
+  if (optimizer == "skewadam"
+      and _direction((skewadam_tiers or {}).get("expert", {})) != LIBRARY_DIRECTION):
+    # The alias's own default, so the two cannot drift apart.
+    return inspect.signature(skewadam_jax.skewadam_orthogonal).parameters["weight_decay"].default
+  return DEFAULT_WEIGHT_DECAY
 
 
 def default_lr(optimizer: str, skewadam_tiers: dict | None = None) -> float:
@@ -259,7 +280,8 @@ def with_fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransform
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: float = 0.1,
+def make_optimizer(name: str, *, learning_rate: Any, axes: Axes,
+                   weight_decay: float | None = None,
                    clip_norm: float = 1.0, skewadam_tiers: dict | None = None,
                    b1: float = 0.9, b2: float = 0.95,
                    muon_momentum: float = 0.95) -> optax.GradientTransformation:
@@ -269,7 +291,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
     name: one of :data:`OPTIMIZERS`.
     learning_rate: float or schedule.
     axes: the model's logical axes by path (:func:`models.logical_axes`).
-    weight_decay: decoupled weight decay on matrices.
+    weight_decay: decoupled weight decay on matrices (``None``:
+      :func:`default_weight_decay`'s).
     clip_norm: global gradient-norm clip (``0`` disables it).
     skewadam_tiers: ``{"backbone": ..., "expert": ..., "router": ...}``
       ``TierConfig``s (or dicts) for SkewAdam; defaults otherwise.
@@ -281,6 +304,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes, weight_decay: f
     ValueError: for an unknown name.
   """
   mask = decay_mask(axes)
+  if weight_decay is None:
+    weight_decay = default_weight_decay(name, skewadam_tiers)
   if name == "adamw":
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay,
                      mask=mask, mu_dtype=jnp.float32)

@@ -73,7 +73,7 @@ def make_tx(config, axes, schedule=None) -> optax.GradientTransformation:
   ``schedule`` defaults to :func:`learning_rate_schedule`'s.
   """
   schedule = learning_rate_schedule(config) if schedule is None else schedule
-  settings = dict(learning_rate=schedule, weight_decay=config.weight_decay,
+  settings = dict(learning_rate=schedule, weight_decay=config.resolved_weight_decay,
                   skewadam_tiers=config.skewadam_tiers(), b1=config.b1,
                   muon_momentum=config.muon_momentum)
   if config.update_in_backward:

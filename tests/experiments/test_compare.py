@@ -8,11 +8,13 @@ import statistics
 import pytest
 
 import models
+import skewadam_jax
 
 from experiments import compare
 from experiments.studies import comparison
 from experiments.studies import sweeps
 from experiments.training import optimizers
+from experiments.training.config import TrainConfig
 
 
 def test_compare_on_tiny_writes_rows_table_and_plots(tmp_path, corpus, cache_dir, monkeypatch):
@@ -287,6 +289,26 @@ def test_the_expert_factors_dtype_names_a_row_only_when_not_float32():
   assert tiers["expert"]["lowrank_dtype"] == "bfloat16"
   with pytest.raises(ValueError, match="lowrank_dtype must be one of"):
     sweeps.parse_entries("", "expert_m=lowrank,expert_dtype=float16")
+
+
+def test_a_comparison_row_keeps_the_library_tiers_it_names_when_the_alias_moves(monkeypatch):
+  moved = {"backbone": {"orthogonal_scale": "width"},
+           "expert": {"momentum": "lowrank", "lowrank_rank": 42, "orthogonal_scale": "width"}}
+  for module in (skewadam_jax, skewadam_jax.alias):
+    monkeypatch.setattr(module, "ORTHOGONAL_TIER_SETTINGS", moved)
+  # The default row follows the alias, and trains what the training command's default does.
+  default = sweeps.default_config()
+  assert (default["expert_rank"], default["backbone_scale"], default["expert_scale"]) == (
+      42, "width", "width")
+  assert comparison._full_tiers(comparison.row_tiers({"config": default})) == (
+      comparison._full_tiers(TrainConfig().skewadam_tiers()))
+  # A saved row leaves out the keys at IMPLICIT's value (rank 16, Adam-RMS): it
+  # still trains those, not the alias's.
+  old = sweeps.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal",
+                               "expert_m": "lowrank"})
+  assert "expert_rank" not in old
+  expert = comparison.row_tiers({"config": old})["expert"]
+  assert (expert["lowrank_rank"], expert["orthogonal_scale"]) == (16, "adam_rms")
 
 
 def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):

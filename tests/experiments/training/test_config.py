@@ -11,6 +11,7 @@ import json
 import pytest
 
 import models
+import skewadam_jax
 
 from experiments.training import config as config_lib
 from experiments import memory
@@ -182,6 +183,77 @@ def test_the_default_expert_momentum_follows_the_direction_and_old_runs_keep_sig
   assert config_lib.resume_check(signs.as_dict())({"config": saved}) is None
   assert config_lib.resume_check(adam.as_dict())(
       {"config": adam.as_dict() | {"expert_momentum": None}}) is None
+
+
+# What skewadam_orthogonal's tiers would be if the comparison's rule moved them:
+# the training command must follow, and runs saved before must keep their meaning.
+MOVED_TIERS = {"backbone": {"orthogonal_scale": "width"},
+               "expert": {"momentum": "lowrank", "lowrank_rank": 42, "lowrank_dtype": "bfloat16",
+                          "orthogonal_scale": "width"}}
+
+
+@pytest.fixture
+def moved_orthogonal_defaults(monkeypatch):
+  for module in (skewadam_jax, skewadam_jax.alias):
+    monkeypatch.setattr(module, "ORTHOGONAL_TIER_SETTINGS", MOVED_TIERS)
+
+
+def test_the_orthogonal_tiers_defaults_are_the_alias_settings(moved_orthogonal_defaults):
+  default = config_lib.TrainConfig()
+  alias = skewadam_jax.orthogonal_settings()
+  tiers = default.skewadam_tiers()
+  assert tiers["expert"] == alias["expert"] and tiers["backbone"] == alias["backbone"]
+  saved = default.as_dict()  # a run saves what its None resolved to
+  assert (saved["expert_lowrank_rank"], saved["expert_lowrank_dtype"],
+          saved["backbone_orthogonal_scale"], saved["expert_orthogonal_scale"]) == (
+              42, "bfloat16", "width", "width")
+  assert config_lib.resume_check(saved)({"config": saved}) is None
+  # Adam's direction is the library's skewadam(): none of the alias's settings.
+  adam = config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")
+  assert adam.skewadam_tiers() == {} and adam.as_dict()["expert_lowrank_rank"] is None
+
+
+def test_a_run_saved_before_the_alias_set_a_tier_key_keeps_the_librarys_value(
+    moved_orthogonal_defaults):
+  # Saved unset (None) or before the field existed (absent): the library's rank 16,
+  # float32 factors and Adam-RMS scale, not the alias's new values.
+  old = {"optimizer": "skewadam", "backbone_direction": "orthogonal",
+         "expert_direction": "orthogonal", "expert_momentum": "lowrank",
+         "expert_lowrank_rank": None, "backbone_orthogonal_scale": None,
+         "expert_orthogonal_scale": None}
+  filled = config_lib.with_defaults(old)
+  assert (filled["expert_lowrank_rank"], filled["expert_lowrank_dtype"],
+          filled["backbone_orthogonal_scale"], filled["expert_orthogonal_scale"]) == (
+              16, "float32", "adam_rms", "adam_rms")
+  assert "expert_lowrank_rank=16" in config_lib.resume_check(
+      config_lib.TrainConfig().as_dict())({"config": old})
+  rebuilt = config_lib.TrainConfig(**filled).skewadam_tiers()["expert"]
+  expert = dataclasses.replace(skewadam_jax.DEFAULT_EXPERT, **rebuilt)
+  assert (expert.lowrank_rank, expert.lowrank_dtype, expert.orthogonal_scale) == (
+      16, "float32", "adam_rms")
+  # A planner report's tiers are the library's arguments: what they leave out is the library's.
+  fields = config_lib.tier_fields({"expert": {"direction": "orthogonal"}})
+  assert (fields["expert_lowrank_rank"], fields["expert_momentum"]) == (16, "sign")
+  assert "expert_lowrank_rank" not in config_lib.tier_fields({})  # Adam's direction: unset
+
+
+def test_the_weight_decay_default_is_the_optimizers_and_the_alias_for_orthogonal_tiers(
+    monkeypatch):
+  assert config_lib.TrainConfig().as_dict()["weight_decay"] == 0.1  # saved resolved
+
+  def moved(learning_rate, weight_decay=0.2, **kwargs):  # the alias with another default
+    raise AssertionError("only its signature is read")
+
+  monkeypatch.setattr(skewadam_jax, "skewadam_orthogonal", moved)
+  assert config_lib.TrainConfig().resolved_weight_decay == 0.2
+  for other in (config_lib.TrainConfig(optimizer="adamw"),
+                config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")):
+    assert other.as_dict()["weight_decay"] == 0.1
+  assert config_lib.TrainConfig(weight_decay=0.0).resolved_weight_decay == 0.0  # 0 is a value
+  # A run saved before the default moved ran at what it saved; an unset one at 0.1.
+  saved = config_lib.TrainConfig().as_dict() | {"weight_decay": None}
+  assert "weight_decay=0.1" in config_lib.resume_check(config_lib.TrainConfig().as_dict())(
+      {"config": saved})
 
 
 def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
