@@ -47,13 +47,17 @@ TIER_KEYS = {
     "m_round": (None, None, "momentum_rounding"),
     "u_clip": (None, None, "update_clip"),
     "contain": (None, None, "contain_nonfinite"),
+    # The decoupled weight decay: the training command's SkewAdam default follows
+    # skewadam_orthogonal's (optimizers.default_weight_decay), so a row names it.
+    "wd": (None, None, "weight_decay"),
 }
 # Keys a configuration names only when they differ from this value (so rows
 # saved before the key existed keep their identity and their runs' folders).
 IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam", "backbone_scale": "adam_rms",
             "expert_scale": "adam_rms", "rest": "backbone", "ns_chunk": "auto",
             "ns_dtype": "float32", "m_round": "nearest", "u_clip": "off", "contain": "off",
-            "expert_rank": 16, "expert_dtype": "float32", "expert_complement": 1.0}
+            "expert_rank": 16, "expert_dtype": "float32", "expert_complement": 1.0,
+            "wd": optimizers.DEFAULT_WEIGHT_DECAY}
 # What the library does now where that is not IMPLICIT's value: a configuration
 # that does not name the key runs this.
 CURRENT = {"m_round": "stochastic", "u_clip": "auto", "contain": "on"}
@@ -84,13 +88,29 @@ def base_config(*, preset: str = "small", batch_size: int = 16, data: str | None
 
 
 def parse_skewadam_config(text: str) -> dict:
-  """``expert_m=int8,backbone_v=factored`` → ``{"expert_m": "int8", ...}``."""
+  """``expert_m=int8,backbone_v=factored`` → ``{"expert_m": "int8", ...}``.
+
+  A number is read as its training flag reads it (``expert_rank=42`` is the
+  int 42, ``wd=0.2`` the float), so a spelled value names the same row as
+  the training command's own.
+
+  Example:
+    >>> parse_skewadam_config("expert_m=lowrank,expert_rank=42,wd=0.2")
+    {'expert_m': 'lowrank', 'expert_rank': 42, 'wd': 0.2}
+  """
   out = {}
   for part in filter(None, text.split(",")):
     key, _, value = part.partition("=")
     if key not in TIER_KEYS or not value:
       raise ValueError(f"bad SkewAdam configuration {text!r}: use "
                        f"{', '.join(k + '=...' for k in TIER_KEYS)}")
+    kind = TrainConfig.__dataclass_fields__[TIER_KEYS[key][2]].metadata["kind"]
+    if kind in (int, float):
+      try:
+        value = kind(value)
+      except ValueError:
+        raise ValueError(f"bad SkewAdam configuration {text!r}: {key} must be "
+                         f"{kind.__name__}, got {value!r}") from None
     out[key] = value
   return out
 
@@ -118,7 +138,8 @@ def train_overrides(config: dict) -> dict:
   Example:
     >>> train_overrides({"expert_m": "int8"})  # doctest: +NORMALIZE_WHITESPACE
     {'backbone_direction': 'adam', 'expert_direction': 'adam', 'momentum_rounding': 'nearest',
-     'update_clip': 'off', 'contain_nonfinite': 'off', 'expert_momentum': 'int8'}
+     'update_clip': 'off', 'contain_nonfinite': 'off', 'expert_momentum': 'int8',
+     'weight_decay': 0.1}
   """
   library = {TIER_KEYS[key][2]: IMPLICIT[key] for key in TRAIN_DEFAULT}
   # A key a resolved configuration leaves out has IMPLICIT's value, also where
@@ -128,6 +149,8 @@ def train_overrides(config: dict) -> dict:
   # A tier key it leaves out has the library's value, which the training
   # command's default for an orthogonal tier (config.direction_default) may not be.
   filled = config_lib.library_where_unset(overrides)
+  # Likewise the weight decay, which the training command's default takes from the alias.
+  filled.setdefault("weight_decay", IMPLICIT["wd"])
   return {**overrides, **{k: v for k, v in filled.items() if k not in overrides}}
 
 
@@ -177,6 +200,9 @@ def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
       value = config_lib.direction_default(field, config.get(f"{tier}_dir", IMPLICIT.get(f"{tier}_dir")))
       if value is not None:
         config[key] = value
+  if "wd" not in config:
+    config["wd"] = optimizers.default_weight_decay(
+        "skewadam", {"expert": {"direction": config.get("expert_dir", IMPLICIT["expert_dir"])}})
   return resolve_config(config)
 
 

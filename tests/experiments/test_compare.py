@@ -296,19 +296,34 @@ def test_a_comparison_row_keeps_the_library_tiers_it_names_when_the_alias_moves(
            "expert": {"momentum": "lowrank", "lowrank_rank": 42, "orthogonal_scale": "width"}}
   for module in (skewadam_jax, skewadam_jax.alias):
     monkeypatch.setattr(module, "ORTHOGONAL_TIER_SETTINGS", moved)
+
+  def moved_alias(learning_rate, weight_decay=0.2, **kwargs):  # only its signature is read
+    raise AssertionError
+
+  monkeypatch.setattr(skewadam_jax, "skewadam_orthogonal", moved_alias)
   # The default row follows the alias, and trains what the training command's default does.
   default = sweeps.default_config()
-  assert (default["expert_rank"], default["backbone_scale"], default["expert_scale"]) == (
-      42, "width", "width")
+  assert (default["expert_rank"], default["backbone_scale"], default["expert_scale"],
+          default["wd"]) == (42, "width", "width", 0.2)
   assert comparison._full_tiers(comparison.row_tiers({"config": default})) == (
       comparison._full_tiers(TrainConfig().skewadam_tiers()))
-  # A saved row leaves out the keys at IMPLICIT's value (rank 16, Adam-RMS): it
-  # still trains those, not the alias's.
+  assert TrainConfig(**sweeps.train_overrides(default)).resolved_weight_decay == 0.2
+  # A saved row leaves out the keys at IMPLICIT's value (rank 16, Adam-RMS, weight
+  # decay 0.1): it still trains those, not the alias's.
   old = sweeps.resolve_config({"backbone_dir": "orthogonal", "expert_dir": "orthogonal",
                                "expert_m": "lowrank"})
-  assert "expert_rank" not in old
+  assert "expert_rank" not in old and "wd" not in old
   expert = comparison.row_tiers({"config": old})["expert"]
   assert (expert["lowrank_rank"], expert["orthogonal_scale"]) == (16, "adam_rms")
+  assert TrainConfig(**sweeps.train_overrides(old)).resolved_weight_decay == 0.1
+
+
+def test_a_spelled_number_names_the_same_row_as_the_training_commands():
+  spelled = sweeps.parse_skewadam_config("expert_m=lowrank,expert_rank=16,wd=0.1")
+  assert spelled == {"expert_m": "lowrank", "expert_rank": 16, "wd": 0.1}
+  assert sweeps.resolve_config(spelled) == sweeps.resolve_config({"expert_m": "lowrank"})
+  with pytest.raises(ValueError, match="expert_rank must be int, got 'four'"):
+    sweeps.parse_skewadam_config("expert_m=lowrank,expert_rank=four")
 
 
 def test_a_run_saved_before_a_config_field_existed_is_reused(tmp_path):
