@@ -116,9 +116,7 @@ def parse_skewadam_config(text: str) -> dict:
 
 
 # The library's tier defaults, by tier name.
-TIER_DEFAULTS = {"backbone": skewadam_transform.DEFAULT_BACKBONE,
-                 "expert": skewadam_transform.DEFAULT_EXPERT,
-                 "router": skewadam_transform.DEFAULT_ROUTER}
+TIER_DEFAULTS = config_lib.LIBRARY_TIERS
 
 
 def resolve_config(config: dict) -> dict:

@@ -297,9 +297,9 @@ class TrainConfig:
   def as_dict(self) -> dict:
     """The fields as a run saves them (``dataclasses.asdict``), with the
     defaults that follow another field resolved (:meth:`resolved`: the tier
-    settings that follow a direction; ``expert_momentum`` also to the
-    library's; the weight decay, :attr:`resolved_weight_decay`), so a saved configuration reads the same after such a default
-    changes."""
+    settings that follow a direction, ``expert_momentum`` also to the
+    library's; :attr:`resolved_weight_decay`), so a saved configuration reads
+    the same after such a default changes."""
     saved = dataclasses.asdict(self)
     saved.update({name: self.resolved(name) for name in TIER_FIELDS if saved[name] is None})
     saved["expert_momentum"] = saved["expert_momentum"] or skewadam_jax.DEFAULT_EXPERT.momentum
