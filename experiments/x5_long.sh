@@ -12,7 +12,10 @@
 # a warmup of 40 % of the run), the candidate at the 10 % warmup every command has
 # (rank42-bf16-warmup-160, seed 0 first), which its three seeds on small measured level
 # with 640's, so the form and the warmup are told apart (55.14 at seed 0 against 640's
-# 55.66; its seed 1, rank42-bf16-warmup-160-seed1, decided after that). A row is CONTENDER
+# 55.66; its seed 1, rank42-bf16-warmup-160-seed1, decided after that). Decided after
+# both its seeds were in (54.43 +- 1.00 against Muon's 54.75 +- 0.82, within the spread):
+# a third seed of it and of Muon, rank42-bf16-warmup-160-seed2 and muon-seed2, reported
+# whatever they give. A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
