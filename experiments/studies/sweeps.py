@@ -149,7 +149,7 @@ def train_overrides(config: dict) -> dict:
   filled = config_lib.library_where_unset(overrides)
   # Likewise the weight decay, which the training command's default takes from the alias.
   filled.setdefault("weight_decay", IMPLICIT["wd"])
-  return {**overrides, **{k: v for k, v in filled.items() if k not in overrides}}
+  return filled
 
 
 def parse_entries(optimizer_names: str, skewadam_configs: str) -> list[tuple[str, dict | None]]:

@@ -346,8 +346,9 @@ class TrainConfig:
       backbone.update(schedule)
     if backbone:
       tiers["backbone"] = backbone
-    if self.resolved("router_second_moment"):
-      tiers["router"] = {"second_moment": self.resolved("router_second_moment")}
+    router_second_moment = self.resolved("router_second_moment")
+    if router_second_moment:
+      tiers["router"] = {"second_moment": router_second_moment}
     if self.momentum_rounding:
       for name in ("backbone", "expert", "router"):
         tiers.setdefault(name, {})["momentum_rounding"] = self.momentum_rounding
@@ -705,12 +706,9 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
         raise ValueError(f"SkewAdam tier setting {tier}.{key} has no training flag; "
                          f"the flags are {', '.join(TIER_FIELDS)}")
       fields[name] = value
-  if library_directions:
-    # What the library's arguments leave out is the library's, which the training
-    # command's default for an orthogonal tier (direction_default) may not be.
-    filled = library_where_unset(fields)
-    fields.update({k: v for k, v in filled.items() if k not in fields})
-  return fields
+  # What the library's arguments leave out is the library's, which the training
+  # command's default for an orthogonal tier (direction_default) may not be.
+  return library_where_unset(fields) if library_directions else fields
 
 
 def tiers_from_args(args) -> dict:
@@ -817,7 +815,7 @@ def parse_with_config_file(parser, argv=None):
     ``(args, file_values)``: the parsed arguments and everything the file set
     (also the fields ``parser`` has no flag for).
   """
-  if not any("--config" in a.option_strings for a in parser._actions):
+  if not any("--config" in a.option_strings for a in parser._actions):  # pylint: disable=protected-access
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="a TOML configuration file (experiments/training/config.py, "
                         "load_config_file); flags given here override it")
@@ -825,6 +823,6 @@ def parse_with_config_file(parser, argv=None):
   first.add_argument("--config", default=None)
   known, _ = first.parse_known_args(argv)
   values = load_config_file(known.config) if known.config else {}
-  dests = {a.dest for a in parser._actions}
+  dests = {a.dest for a in parser._actions}  # pylint: disable=protected-access
   parser.set_defaults(**{k: v for k, v in values.items() if k in dests})
   return parser.parse_args(argv), values

@@ -291,11 +291,8 @@ def test_the_expert_factors_dtype_names_a_row_only_when_not_float32():
     sweeps.parse_entries("", "expert_m=lowrank,expert_dtype=float16")
 
 
-def test_a_comparison_row_keeps_the_library_tiers_it_names_when_the_alias_moves(monkeypatch):
-  moved = {"backbone": {"orthogonal_scale": "width"},
-           "expert": {"momentum": "lowrank", "lowrank_rank": 42, "orthogonal_scale": "width"}}
-  for module in (skewadam_jax, skewadam_jax.alias):
-    monkeypatch.setattr(module, "ORTHOGONAL_TIER_SETTINGS", moved)
+def test_a_comparison_row_keeps_the_library_tiers_it_names_when_the_alias_moves(
+    moved_orthogonal_tiers, monkeypatch):
 
   def moved_alias(learning_rate, weight_decay=0.2, **kwargs):  # only its signature is read
     raise AssertionError

@@ -185,20 +185,7 @@ def test_the_default_expert_momentum_follows_the_direction_and_old_runs_keep_sig
       {"config": adam.as_dict() | {"expert_momentum": None}}) is None
 
 
-# What skewadam_orthogonal's tiers would be if the comparison's rule moved them:
-# the training command must follow, and runs saved before must keep their meaning.
-MOVED_TIERS = {"backbone": {"orthogonal_scale": "width"},
-               "expert": {"momentum": "lowrank", "lowrank_rank": 42, "lowrank_dtype": "bfloat16",
-                          "orthogonal_scale": "width"}}
-
-
-@pytest.fixture
-def moved_orthogonal_defaults(monkeypatch):
-  for module in (skewadam_jax, skewadam_jax.alias):
-    monkeypatch.setattr(module, "ORTHOGONAL_TIER_SETTINGS", MOVED_TIERS)
-
-
-def test_the_orthogonal_tiers_defaults_are_the_alias_settings(moved_orthogonal_defaults):
+def test_the_orthogonal_tiers_defaults_are_the_alias_settings(moved_orthogonal_tiers):
   default = config_lib.TrainConfig()
   alias = skewadam_jax.orthogonal_settings()
   tiers = default.skewadam_tiers()
@@ -214,7 +201,7 @@ def test_the_orthogonal_tiers_defaults_are_the_alias_settings(moved_orthogonal_d
 
 
 def test_a_run_saved_before_the_alias_set_a_tier_key_keeps_the_librarys_value(
-    moved_orthogonal_defaults):
+    moved_orthogonal_tiers):
   # Saved unset (None) or before the field existed (absent): the library's rank 16,
   # float32 factors and Adam-RMS scale, not the alias's new values.
   old = {"optimizer": "skewadam", "backbone_direction": "orthogonal",
