@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 OUT=experiments/results/bf16-rounding
 for seed in 0 1 2; do
+  # the library's skewadam() (Adam's direction), as these runs measured it
   COMMON=(--preset small --optimizer skewadam --steps 200 --warmup-steps 20 --seed "$seed"
-          --no-progress --ckpt-every 200)
+          --backbone-direction adam --expert-direction adam --no-progress --ckpt-every 200)
   "$PYTHON" -m experiments.train "${COMMON[@]}" --out "$OUT/fp32-seed$seed"
   "$PYTHON" -m experiments.train "${COMMON[@]}" --param-dtype bfloat16 --out "$OUT/bf16-seed$seed"
   "$PYTHON" -m experiments.train "${COMMON[@]}" --param-dtype bfloat16 --stochastic-rounding \

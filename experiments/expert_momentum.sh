@@ -26,7 +26,10 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 # The comparison's base configuration (experiments/studies/sweeps.py: base_config,
 # and its 10 % warmup), so that only the expert momentum differs from the baseline.
-BASE=("${LONG_RUN[@]}" --optimizer skewadam --lr 0.0135 --seed 0 --warmup-steps 160)
+# The default's settings as these rows ran (RANK16_DEFAULT), which each row's flags amend.
+# shellcheck disable=SC2206
+BASE=("${LONG_RUN[@]}" --optimizer skewadam --lr 0.0135 --seed 0 --warmup-steps 160
+      $RANK16_DEFAULT)
 declare -A FLAGS=(
   [lowrank-2]="--expert-momentum lowrank --expert-lowrank-rank 2"
   [lowrank-16]="--expert-momentum lowrank --expert-lowrank-rank 16"
@@ -73,7 +76,9 @@ for rank in (16, 20):
           f"{statistics.stdev(ppl):.2f} (by seed: {', '.join(f'{p:.2f}' for p in ppl)}).")
   # A comparison row (experiments.compare's form), so the rule can weigh it.
   row = {"name": name, "optimizer": "skewadam", "lr": 0.0135, "seeds": list(range(len(ppl))),
-         "config": sweeps.resolve_entry("skewadam", {"expert_m": "lowrank", "expert_rank": rank}),
+         "config": sweeps.resolve_entry("skewadam", {
+             "expert_m": "lowrank", "expert_rank": rank, "expert_dtype": "float32",
+             "backbone_scale": "adam_rms", "expert_scale": "adam_rms", "wd": 0.1}),
          "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl),
          "val_ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0}
   row["opt_state_bytes_6p78b"] = comparison.state_bytes_6p78b("skewadam", comparison.row_tiers(row))

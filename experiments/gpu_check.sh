@@ -54,7 +54,7 @@ phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --upda
 phase --preset moe-47b --optimizers skewadam --cap-gb 141 --steps 3 --update-in-backward
 # Throughput: the A100-40GB plan's largest batch; AdamW and the library's
 # skewadam() (Adam's direction) on the whole card, for their step times.
-phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --batch-size 12
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --batch-size 11
 phase --preset moe-6.78b --optimizers adamw --cap-gb 0 --steps 5
 phase --preset moe-6.78b --optimizers skewadam --cap-gb 0 --steps 5 \
   --backbone-direction adam --expert-direction adam

@@ -15,10 +15,12 @@ RUNS=experiments/results/compare-long-runs
 RATES=experiments/results/compare-long-0.2.0.json,experiments/results/orthogonal/quick-normalized.json
 # SkewAdam's rows by their directions, spelt out with the packed-sign expert
 # momentum they were measured with (this comparison chose the orthogonal row; the
-# training command's default has since taken rank-16 expert momentum instead,
-# experiments/expert_momentum.sh, so `--optimizers skewadam` is another row).
-NORMALIZED="backbone_dir=normalized_orthogonal,expert_dir=normalized_orthogonal,expert_m=sign"
-ORTHOGONAL="backbone_dir=orthogonal,expert_dir=orthogonal,expert_m=sign"
+# training command's default has since taken low-rank expert momentum instead,
+# experiments/expert_momentum.sh, so `--optimizers skewadam` is another row), and with
+# the orthogonal tiers' settings of then: Adam's update RMS, weight decay 0.1.
+THEN="backbone_scale=adam_rms,expert_scale=adam_rms,wd=0.1"
+NORMALIZED="backbone_dir=normalized_orthogonal,expert_dir=normalized_orthogonal,expert_m=sign,$THEN"
+ORTHOGONAL="backbone_dir=orthogonal,expert_dir=orthogonal,expert_m=sign,$THEN"
 ADAM="backbone_dir=adam,expert_dir=adam,expert_m=sign"  # the library's skewadam()
 PROTOCOL=(--steps 1600 --sweep-steps 1600 --seeds 0,1,2 --lr-factors 0.5,1
           --lr-from "$RATES" --runs "$RUNS" --reuse-runs --no-progress)
@@ -62,6 +64,7 @@ attribution() {  # NAME LR FLAGS...: one row, unless its run has finished
       --warmup-steps 160 --eval-every 100 --eval-batches 16 --log-every 1 \
       --sample-tokens 0 --ckpt-every 1000000000 --seed 0 --no-progress \
       --backbone-direction orthogonal --expert-direction orthogonal --expert-momentum sign \
+      --backbone-orthogonal-scale adam_rms --expert-orthogonal-scale adam_rms --weight-decay 0.1 \
       --out "$ATTRIBUTION/$name" "$@"
 }
 ORTHO_LR=$(lr_of skewadam orthogonal)

@@ -138,8 +138,9 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RUNS=experiments/results/muon-gap-runs
 source experiments/runs_folder.sh
 runs_folder "$RUNS"
+# shellcheck disable=SC2206
 BASE=("${LONG_RUN[@]}" --no-progress --optimizer skewadam --lr 0.0135 --warmup-steps 160
-      --expert-momentum lowrank --expert-lowrank-rank 16)
+      $RANK16_DEFAULT --expert-momentum lowrank)
 # Muon's width scaling at Muon's rate and weight decay (muon-scale), and the rest of
 # Muon's backbone state (fp32 momentum; AdamW's moments and Nesterov on the
 # Adam-direction leaves), which the rows below combine
@@ -194,3 +195,29 @@ finished=$(finished_runs "$RUNS"/*/)
   fi
   seed_means "$RUNS"
 } > experiments/results/muon-gap.md
+# The candidate at the procedure's tuned point (rate 1.5e-2, warmup 640, b1 0.9, weight
+# decay 0.2; seeds 0 to 2) as a comparison row (experiments.compare's form), so the
+# rule (comparison.choose_default) can weigh it and compare --quick can read its rate
+# (comparison.TUNED_RATES): it is the training command's default since the rule chose
+# it. Rewrites the committed experiments/results/muon-gap.json.
+"$PYTHON" - <<'PY'
+import json, pathlib, statistics
+from experiments.studies import comparison, sweeps
+from experiments.training import config as config_lib
+runs = pathlib.Path("experiments/results/muon-gap-runs")
+point = "muon-scale-rank-42-bf16-warmup-640"
+summaries = [json.loads((runs / d / "summary.json").read_text())
+             for d in (point, f"{point}-seed1", f"{point}-seed2")]
+saved = config_lib.TrainConfig(**config_lib.with_defaults(summaries[0]["config"]))
+ppl = [s["val_ppl"] for s in summaries]
+row = {"name": "rank42-bf16", "optimizer": "skewadam", "lr": saved.lr,
+       "warmup_steps": saved.warmup_steps, "seeds": [s["config"]["seed"] for s in summaries],
+       "config": sweeps.resolve_entry("skewadam", {
+           "expert_m": saved.expert_momentum, "expert_rank": saved.expert_lowrank_rank,
+           "expert_dtype": saved.expert_lowrank_dtype,
+           "backbone_scale": saved.backbone_orthogonal_scale,
+           "expert_scale": saved.expert_orthogonal_scale, "wd": saved.weight_decay}),
+       "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl), "val_ppl_std": statistics.stdev(ppl)}
+row["opt_state_bytes_6p78b"] = comparison.state_bytes_6p78b("skewadam", comparison.row_tiers(row))
+pathlib.Path("experiments/results/muon-gap.json").write_text(json.dumps([row], indent=1) + "\n")
+PY

@@ -10,8 +10,10 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 source experiments/runs_folder.sh
 runs_folder experiments/results/ns-schedule-400-runs experiments/results/ns-schedule-1600-runs
-# The row as measured: packed-sign expert momentum (the default before rank 16).
-ROW=(--optimizers "" --skewadam-configs "expert_m=sign,ns_chunk=1" --lr 0.0135 --reuse-runs --no-progress)
+# The row as measured: packed-sign expert momentum (the default before rank 16), and
+# the orthogonal tiers' settings of then (runs_folder.sh: RANK16_DEFAULT_KEYS).
+ROW=(--optimizers "" --skewadam-configs "expert_m=sign,$RANK16_DEFAULT_KEYS,ns_chunk=1" --lr 0.0135
+     --reuse-runs --no-progress)
 "$PYTHON" -m experiments.compare --steps 400 --seeds "${SEEDS_400:-0,1,2}" "${ROW[@]}" \
     --runs experiments/results/ns-schedule-400-runs --out experiments/results --name ns-schedule-400
 "$PYTHON" -m experiments.compare --steps 1600 --seeds "${SEEDS_1600:-0,1,2}" "${ROW[@]}" \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The memory planner's figures of the training command's default (the orthogonal tiers
-# with rank-16 expert momentum, Newton–Schulz in chunks: TierConfig.orthogonal_chunk="auto"),
+# with rank-42 bfloat16 expert momentum and Muon's width scaling since #42, Newton–Schulz in
+# chunks: TierConfig.orthogonal_chunk="auto"),
 # re-planned whenever the default's step changes. Deviceless compiles on this CPU machine; the GPU rows need the
 # gpu-compile extra, the TPU rows the tpu-compile extra. About an hour on 2 cores.
 # Usage: bash experiments/plan_defaults.sh [NAME ...]   (default: every row)
@@ -32,10 +33,14 @@ plan skewadam-adam-update-in-backward-24gb "${A100[@]}" "${ADAM[@]}" --update-in
   --device-memory-gb 24
 plan skewadam-reference "${A100[@]}" "${ADAM[@]}" --backbone-momentum fp32 \
   --backbone-second-moment exact
+# The orthogonal tiers' settings of the default before #42 moved it (rank-16 float32
+# expert factors, Adam's update RMS): the rows planned with them spell them.
+ADAM_RMS=(--backbone-orthogonal-scale adam_rms --expert-orthogonal-scale adam_rms)
+RANK16=(--expert-lowrank-rank 16 --expert-lowrank-dtype float32 "${ADAM_RMS[@]}")
 # The normalized row and the whole-bank schedule as they were measured: packed-sign
 # expert momentum (the default's expert momentum before rank 16).
 NORMALIZED=(--backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal
-            --expert-momentum sign)
+            --expert-momentum sign "${ADAM_RMS[@]}")
 plan skewadam-normalized-orthogonal "${A100[@]}" "${NORMALIZED[@]}"
 plan skewadam-normalized-orthogonal-update-in-backward-batch1 "${A100[@]}" "${NORMALIZED[@]}" \
   --update-in-backward --no-search
@@ -53,21 +58,22 @@ plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-fsdp "${EIGHT[@]}" \
 # (its first plan, ...-expert-sign-expert-parallel-update-in-backward.json, predates the
 # update clip's second pass), at batch 8 only.
 plan moe-47b-8xa100-skewadam-expert-sign-expert-parallel-update-in-backward-replanned \
-  "${EIGHT[@]}" --moe-impl expert_parallel --update-in-backward --expert-momentum sign --no-search
+  "${EIGHT[@]}" --moe-impl expert_parallel --update-in-backward --expert-momentum sign --no-search \
+  "${ADAM_RMS[@]}"
 V6E=(--preset moe-6.78b --optimizer skewadam --target tpu-v6e --batch-size 1 --seq-len 2048)
 plan moe-6.78b-tpu-v6e-skewadam-orthogonal "${V6E[@]}"
 plan moe-6.78b-tpu-v6e-skewadam-orthogonal-update-in-backward "${V6E[@]}" --update-in-backward
 # The schedule before TierConfig.orthogonal_chunk (a layer's whole bank at once), for comparison
 # (moe-6.78b's is skewadam-update-in-backward-whole-bank.json, planned at commit b08a297).
 plan moe-47b-h200-skewadam-orthogonal-whole-bank-update-in-backward "${H200[@]}" \
-  --update-in-backward --orthogonal-chunk all --no-search --expert-momentum sign
+  --update-in-backward --orthogonal-chunk all --no-search --expert-momentum sign "${ADAM_RMS[@]}"
 # The planner's side of the real-GPU check (experiments/gpu_check.sh): the phases' steps for
 # the H200 target, without the batch search, in experiments/results/gpu-check/plans/.
 GPU=experiments/results/gpu-check/plans
 H200_6B=(--preset moe-6.78b --target h200 --seq-len 2048 --no-search)
 DIR=$GPU plan moe-6.78b-h200-skewadam-default "${H200_6B[@]}" --optimizer skewadam --batch-size 1
-DIR=$GPU plan moe-6.78b-h200-skewadam-default-batch12 "${H200_6B[@]}" --optimizer skewadam \
-  --batch-size 12
+DIR=$GPU plan moe-6.78b-h200-skewadam-default-batch11 "${H200_6B[@]}" --optimizer skewadam \
+  --batch-size 11
 DIR=$GPU plan moe-6.78b-h200-skewadam-default-update-in-backward "${H200_6B[@]}" \
   --optimizer skewadam --batch-size 1 --update-in-backward
 DIR=$GPU plan moe-6.78b-h200-adamw "${H200_6B[@]}" --optimizer adamw --batch-size 1
@@ -82,13 +88,37 @@ DIR=$GPU plan moe-47b-h200-skewadam-library-update-in-backward --preset moe-47b 
 # The same step of skewadam() planned for the H100: Hopper's program, 80 GB.
 DIR=$GPU plan moe-6.78b-h100-skewadam-library --preset moe-6.78b --target h100-80gb --seq-len 2048 \
   --no-search --optimizer skewadam "${ADAM[@]}" --batch-size 1
-# #42's best row within 1.29 GB (muon_gap.sh's muon-scale-rank-42-bf16: rank-42 bfloat16
-# expert factors under Muon's width scaling), which the rule (comparison.choose_default)
-# would weigh against the default: its standard step, its step with the update inside the
-# backward pass, and moe-47b on one H200 (the README's rows, for this configuration)
+# #42's best row within 1.29 GB spelled out (muon_gap.sh's muon-scale-rank-42-bf16: rank-42
+# bfloat16 expert factors under Muon's width scaling), planned before the rule made it the
+# default: the same steps as skewadam, skewadam-update-in-backward and
+# moe-47b-h200-skewadam-orthogonal-update-in-backward above.
 RANK42=(--backbone-orthogonal-scale width --expert-orthogonal-scale width
         --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16)
 plan skewadam-rank42-bf16 "${A100[@]}" "${RANK42[@]}"
 plan skewadam-rank42-bf16-update-in-backward "${A100[@]}" "${RANK42[@]}" --update-in-backward
 plan moe-47b-h200-skewadam-rank42-bf16-update-in-backward "${H200[@]}" "${RANK42[@]}" \
   --update-in-backward
+# The default before #42 moved it (rank-16 float32 expert factors, Adam's update RMS), the
+# rows above that are the default's, kept for the pages that set the two side by side.
+plan skewadam-expert-lowrank16 "${A100[@]}" "${RANK16[@]}"
+plan skewadam-expert-lowrank16-update-in-backward "${A100[@]}" "${RANK16[@]}" --update-in-backward
+plan skewadam-expert-lowrank16-update-in-backward-24gb "${A100[@]}" "${RANK16[@]}" \
+  --update-in-backward --device-memory-gb 24
+plan moe-47b-h200-skewadam-expert-lowrank16-update-in-backward "${H200[@]}" "${RANK16[@]}" \
+  --update-in-backward
+plan moe-47b-8xa100-skewadam-expert-lowrank16 "${EIGHT[@]}" "${RANK16[@]}"
+plan moe-47b-8xa100-skewadam-expert-lowrank16-update-in-backward-data8-fsdp "${EIGHT[@]}" \
+  "${RANK16[@]}" --update-in-backward
+plan moe-47b-8xa100-skewadam-expert-lowrank16-expert-parallel-update-in-backward "${EIGHT[@]}" \
+  "${RANK16[@]}" --moe-impl expert_parallel --update-in-backward
+plan moe-47b-8xa100-skewadam-expert-lowrank16-expert-parallel-fsdp "${EIGHT[@]}" "${RANK16[@]}" \
+  --moe-impl expert_parallel --fsdp
+plan moe-6.78b-tpu-v6e-skewadam-expert-lowrank16 "${V6E[@]}" "${RANK16[@]}"
+plan moe-6.78b-tpu-v6e-skewadam-expert-lowrank16-update-in-backward "${V6E[@]}" "${RANK16[@]}" \
+  --update-in-backward
+DIR=$GPU plan moe-6.78b-h200-skewadam-expert-lowrank16 "${H200_6B[@]}" --optimizer skewadam \
+  "${RANK16[@]}" --batch-size 1
+DIR=$GPU plan moe-6.78b-h200-skewadam-expert-lowrank16-batch12 "${H200_6B[@]}" \
+  --optimizer skewadam "${RANK16[@]}" --batch-size 12
+DIR=$GPU plan moe-6.78b-h200-skewadam-expert-lowrank16-update-in-backward "${H200_6B[@]}" \
+  --optimizer skewadam "${RANK16[@]}" --batch-size 1 --update-in-backward

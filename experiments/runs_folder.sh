@@ -7,6 +7,14 @@
 # run folder each, named POINT (seed 0) or POINT-seedN (the same point at seed N).
 LONG_RUN=(--preset small --steps 1600 --batch-size 16 --eval-every 100 --eval-batches 16
           --log-every 1 --sample-tokens 0 --ckpt-every 1000000000)
+# The orthogonal tiers' settings of the training command's default before #42 moved it
+# to rank-42 bfloat16 expert factors, Muon's width scaling and weight decay 0.2
+# (skewadam_jax.ORTHOGONAL_TIER_SETTINGS): float32 factors (rank 16 unless a row names
+# one), Adam's update RMS, weight decay 0.1. A row measured with them spells them, so
+# that it names the runs it ran; a flag after it (a row's own) wins.
+RANK16_DEFAULT="--expert-lowrank-rank 16 --expert-lowrank-dtype float32 --backbone-orthogonal-scale adam_rms --expert-orthogonal-scale adam_rms --weight-decay 0.1"
+# The same as a comparison row's keys (experiments.compare --skewadam-configs).
+RANK16_DEFAULT_KEYS="expert_rank=16,expert_dtype=float32,backbone_scale=adam_rms,expert_scale=adam_rms,wd=0.1"
 runs_folder() {
   local dir
   for dir in "$@"; do

@@ -24,8 +24,11 @@ compare() {
       --name "$5" "${@:6}"
 }
 # The default row as these runs measured it: packed-sign expert momentum (the
-# training command's default before rank 16, which is the lowrank rows).
-SIGN=expert_m=sign
+# training command's default before rank 16, which is the lowrank rows), and the
+# orthogonal tiers' settings of then (runs_folder.sh: RANK16_DEFAULT_KEYS), which the
+# lowrank rows (rank 16, the default until #42 moved it to rank 42) share.
+SIGN="expert_m=sign,$RANK16_DEFAULT_KEYS"
+LOWRANK="expert_m=lowrank,$RANK16_DEFAULT_KEYS"
 ONLY=(--optimizers "")
 R400=experiments/results/safe-defaults-400-runs
 R1600=experiments/results/safe-defaults-1600-runs
@@ -36,7 +39,7 @@ if [ -n "${SEEDS_1600-0,1,2}" ]; then
   compare 1600 "${SEEDS_1600-0,1,2}" "$SIGN" "$R1600" safe-defaults-1600 "${ONLY[@]}"
 fi
 if [ -n "${LOWRANK_SEEDS_400-0,1,2}" ]; then
-  compare 400 "${LOWRANK_SEEDS_400-0,1,2}" "$SIGN;expert_m=lowrank" "$R400" lowrank-400 \
+  compare 400 "${LOWRANK_SEEDS_400-0,1,2}" "$SIGN;$LOWRANK" "$R400" lowrank-400 \
       "${ONLY[@]}"
 fi
 if [ -n "${ABLATION-}" ]; then
@@ -44,20 +47,20 @@ if [ -n "${ABLATION-}" ]; then
   for row in $ABLATION; do ROWS+=";$SIGN,$row"; done
   compare 1600 0 "$ROWS" "$R1600" safe-defaults-ablation "${ONLY[@]}"
 fi
-# The same question at 400 steps on today's default (rank-16 expert momentum),
+# The same question at 400 steps on the rank-16 default,
 # seed 0, beside its lowrank-400 run (reused): ABLATION_400 picks some of
 # u_clip=off, contain=off, m_round=nearest (about 11 min a run):
 # safe-defaults-ablation-400.
 if [ -n "${ABLATION_400-}" ]; then
-  ROWS="expert_m=lowrank"
-  for row in $ABLATION_400; do ROWS+=";expert_m=lowrank,$row"; done
+  ROWS="$LOWRANK"
+  for row in $ABLATION_400; do ROWS+=";$LOWRANK,$row"; done
   compare 400 0 "$ROWS" "$R400" safe-defaults-ablation-400 "${ONLY[@]}"
 fi
 # The second scale (small-x5, 400 steps, seed 0, about 1 h a run): rank 16 first,
 # then the sign-momentum row on the same defaults beside it (X5=lowrank trains
 # only the first; empty: neither).
 if [ -n "${X5-lowrank,default}" ]; then
-  X5_ROWS="expert_m=lowrank"
+  X5_ROWS="$LOWRANK"
   case ",${X5-lowrank,default}," in *,default,*) X5_ROWS+=";$SIGN" ;; esac
   compare 400 0 "$X5_ROWS" experiments/results/compare-x5-runs x5-safe-defaults \
       --config experiments/configs/small-x5.toml "${ONLY[@]}"

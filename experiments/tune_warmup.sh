@@ -17,9 +17,9 @@ source experiments/runs_folder.sh
 runs_folder "$RUNS"
 BASE=("${LONG_RUN[@]}" --no-progress)
 declare -A FLAGS=(  # each contender at its 1600-step rate
-  [skewadam]="--optimizer skewadam --lr 0.0135 --expert-momentum sign"
+  [skewadam]="--optimizer skewadam --lr 0.0135 $RANK16_DEFAULT --expert-momentum sign"
   # the rank-16 expert momentum (experiments/expert_momentum.sh), its rate swept there
-  [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16"
+  [lowrank]="--optimizer skewadam --lr 0.0135 $RANK16_DEFAULT --expert-momentum lowrank"
   [muon]="--optimizer muon --lr 0.015"
   [adamw]="--optimizer adamw --lr 0.0045"
 )

@@ -32,12 +32,12 @@ BASE=("${LONG_RUN[@]}" --config experiments/configs/small-x5.toml --no-progress
 # muon_gap.sh's rank-42 bfloat16 candidate, each row at its own warmup
 RANK42_BF16="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
 declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md, tune-more.md)
-  [lowrank]="--optimizer skewadam --lr 0.0135 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160"
+  [lowrank]="--optimizer skewadam --lr 0.0135 $RANK16_DEFAULT --expert-momentum lowrank --warmup-steps 160"
   [muon]="--optimizer muon --lr 0.015 --warmup-steps 160 --weight-decay 0.2"
   [adamw]="--optimizer adamw --lr 0.0045 --warmup-steps 640 --weight-decay 0.4"
   # the challenger from experiments/muon_gap.sh: the default with Muon's width scaling
   # at Muon's rate and weight decay
-  [muon-scale]="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 16 --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
+  [muon-scale]="--optimizer skewadam --lr 0.015 $RANK16_DEFAULT --expert-momentum lowrank --warmup-steps 160 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
   # muon_gap.sh's rank-42 bfloat16 candidate at its tuned point on small (quality page)
   [rank42-bf16]="$RANK42_BF16 --warmup-steps 640"
   [rank42-bf16-warmup-160]="$RANK42_BF16 --warmup-steps 160"

@@ -40,10 +40,14 @@ EMBEDDING_PATTERNS = (
 # DEFAULT_EXPERT's; the training command's orthogonal tiers follow this table
 # (experiments.training.config.direction_default), so a default moves here only.
 ORTHOGONAL_TIER_SETTINGS = types.MappingProxyType({
-    "backbone": types.MappingProxyType({}),
-    # a rank-16 factorisation of each expert matrix's momentum
-    # (encodings.LowRankEncoding) in place of DEFAULT_EXPERT's packed signs
-    "expert": types.MappingProxyType({"momentum": "lowrank"}),
+    # Muon's width scaling (orthogonal.width_scale), so Muon's rates carry over
+    "backbone": types.MappingProxyType({"orthogonal_scale": "width"}),
+    # a rank-42 factorisation of each expert matrix's momentum in bfloat16
+    # (encodings.LowRankEncoding, stochastically rounded) in place of
+    # DEFAULT_EXPERT's packed signs: the most rank moe-6.78b's 1.29 GB holds
+    "expert": types.MappingProxyType({"momentum": "lowrank", "lowrank_rank": 42,
+                                      "lowrank_dtype": "bfloat16",
+                                      "orthogonal_scale": "width"}),
 })
 """The settings :func:`skewadam_orthogonal` gives each tier beyond its direction.
 
@@ -127,7 +131,7 @@ def skewadam_orthogonal(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any = None,
-    weight_decay: optax.ScalarOrSchedule = 0.1,
+    weight_decay: optax.ScalarOrSchedule = 0.2,
     mask: Any = transform.MATRICES,
     *,
     direction: str = "orthogonal",
@@ -143,36 +147,41 @@ def skewadam_orthogonal(
 
   Each declared matrix of the backbone and expert tiers (embeddings and the
   unembedding excepted) stores its momentum in its tier's encoding (bf16 in
-  the backbone; in the expert bank rank-16 factors ``P·Qᵀ`` of each expert
-  matrix, :data:`ORTHOGONAL_EXPERT_MOMENTUM`) and steps along the orthogonal
-  factor of its Nesterov momentum, scaled to Adam's update RMS::
+  the backbone; in the expert bank rank-42 bfloat16 factors ``P·Qᵀ`` of each
+  expert matrix, :data:`ORTHOGONAL_TIER_SETTINGS`) and steps along the
+  orthogonal factor of its Nesterov momentum with Muon's width scaling::
 
       m_t = b1·m̃_{t−1} + (1 − b1)·g_t
-      u_t = 0.2·√max(r, c) · NS₅(b1·m_t + (1 − b1)·g_t)
+      u_t = √max(1, c / r) · NS₅(b1·m_t + (1 − b1)·g_t)
       m̃_t = P_t·Q_tᵀ = P_t·P_tᵀ·m_t,   P_t = orth(m_t·Q_{t−1})   (expert matrices)
 
   where ``NS₅`` is five Newton–Schulz iterations over the ``r × c`` matrix
-  (:func:`~skewadam_jax.newton_schulz`). Such a matrix stores no second
-  moment. Everything else (embeddings, vectors, the router) keeps
-  :func:`skewadam`'s Adam step in its tier. The result is
-  ``skewadam(..., backbone={"direction": direction}, expert={"direction":
-  direction, "momentum": "lowrank"}, orthogonal_mask=<not an embedding>)``.
+  (:func:`~skewadam_jax.newton_schulz`, :func:`~skewadam_jax.orthogonal.width_scale`).
+  Such a matrix stores no second moment. Everything else (embeddings, vectors,
+  the router) keeps :func:`skewadam`'s Adam step in its tier. The result is
+  ``skewadam(..., backbone={"direction": direction, "orthogonal_scale":
+  "width"}, expert={"direction": direction, "momentum": "lowrank",
+  "lowrank_rank": 42, "lowrank_dtype": "bfloat16", "orthogonal_scale":
+  "width"}, orthogonal_mask=<not an embedding>)``.
   The expert momentum's ``P_t`` follows the momentum's leading left singular
   vectors over the steps (one warm-started subspace iteration a step,
-  :class:`~skewadam_jax.encodings.LowRankEncoding`): ``4·16·(R + C)`` bytes an
-  ``R × C`` expert matrix, the comparison's choice over packed signs within
-  the 1.29 GB budget at ``moe-6.78b`` (rank 16: 58.59 ± 0.59 against 60.98 ±
-  1.30 validation perplexity, ``small``, 1600 steps, 3 seeds; 1.064 GB against
-  1.219 GB of state). ``expert={"momentum": "sign"}`` keeps the packed signs.
+  :class:`~skewadam_jax.encodings.LowRankEncoding`), stored stochastically
+  rounded: ``2·42·(R + C)`` bytes an ``R × C`` expert matrix, the most the
+  1.29 GB budget holds at ``moe-6.78b`` (1.287 GB of state). The comparison's
+  rule chose it over rank-16 float32 factors with Adam's update RMS (the
+  default before 0.3.0): validation perplexity 57.66 ± 0.28 against
+  58.59 ± 0.59 (``small``, 1600 steps, 3 seeds, each tuned by the same
+  procedure; Muon 57.45 ± 0.26), docs/results/quality.md.
+  ``expert={"momentum": "sign"}`` keeps packed signs;
+  ``{"orthogonal_scale": "adam_rms"}`` in a tier scales the update to Adam's
+  RMS (``0.2·√max(r, c)``), so Adam's rates carry over.
 
-  The defaults are the settings the training command measured this
-  configuration with: ``b2=0.95``, ``weight_decay=0.1`` on declared matrices,
-  a global-norm clip of 1.0 inside the step (``max_grad_norm``). The
-  learning rate has no default, as in optax; the long comparison's sweep
-  (``experiments/results/compare-long.json``, the 4.46M-parameter
-  ``small`` preset, 1600 steps, 10 % warmup then cosine decay) chose
-  ``1.35e-2``, 3× AdamW's best rate there. ``orthogonal_scale="width"`` in a
-  tier config takes Muon's scaling and rates instead.
+  The defaults are the settings the comparison tuned this configuration at:
+  ``b2=0.95``, ``weight_decay=0.2`` on declared matrices, a global-norm clip
+  of 1.0 inside the step (``max_grad_norm``). The learning rate has no
+  default, as in optax; the tuning (the 4.46M-parameter ``small`` preset,
+  1600 steps, warmup then cosine decay) chose ``1.5e-2``, the training
+  command's default.
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -191,8 +200,7 @@ def skewadam_orthogonal(
       orthogonalised (as in :func:`scale_by_skewadam`).
     backbone, expert, router: tier configs as in :func:`skewadam`. A dict
       gets ``direction`` and the tier's :data:`ORTHOGONAL_TIER_SETTINGS`
-      (the expert tier's ``momentum="lowrank"``) where it does not set
-      them; a :class:`TierConfig` is used as given.
+      where it does not set them; a :class:`TierConfig` is used as given.
     max_grad_norm: the global-norm clip inside the step (``None``: none).
     **kwargs: the rest of :func:`skewadam`'s keyword arguments
       (``param_labels``, ``matrix_axes``, ``nesterov``, ...).

@@ -39,11 +39,13 @@ from experiments.studies.sweeps import TIER_DEFAULTS, tuned_rates
 QUICK = dict(steps=80, sweep_steps=0, seeds=(0, 1, 2), eval_every=40, eval_batches=8,
              max_extensions=0)
 QUICK_OPTIMIZERS = "adamw,skewadam,muon"
-# The rates the 1600-step sweeps chose (compare --lr-from's form: the first file
-# with a row wins): the long comparison's rows, then the expert momentum's
-# (experiments/expert_momentum.sh), which hold the default's.
+# The rates the 1600-step tuning chose (compare --lr-from's form: the first file
+# with a row wins): the long comparison's rows, the expert momentum's
+# (experiments/expert_momentum.sh: the rank-16 default's), then #42's tuned
+# candidate (experiments/muon_gap.sh: the default's since the rule chose it).
 _RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
-TUNED_RATES = f"{_RESULTS / 'compare-long.json'},{_RESULTS / 'expert-momentum.json'}"
+TUNED_RATES = ",".join(str(_RESULTS / name) for name in (
+    "compare-long.json", "expert-momentum.json", "muon-gap.json"))
 NOISE_MULTIPLE = 2  # an ordering is reported only when it exceeds twice the seeds' spread
 FULL = dict(steps=400, sweep_steps=150, seeds=(0, 1), eval_every=100, eval_batches=16,
             max_extensions=2)

@@ -193,9 +193,10 @@ def resolve_entry(optimizer: str, config: dict | None) -> dict | None:
   if optimizer != "skewadam":
     return None
   config = {**TRAIN_DEFAULT, **(config or {})}
-  for key, (tier, _, field) in TIER_KEYS.items():
+  for key, (tier, _, field) in TIER_KEYS.items():  # expert_m before the lowrank keys
     if key not in config and tier is not None:  # the training command's default follows the direction
-      value = config_lib.direction_default(field, config.get(f"{tier}_dir", IMPLICIT.get(f"{tier}_dir")))
+      value = config_lib.direction_default(field, config.get(f"{tier}_dir", IMPLICIT.get(f"{tier}_dir")),
+                                           config.get("expert_m"))
       if value is not None:
         config[key] = value
   if "wd" not in config:

@@ -155,21 +155,25 @@ class TrainConfig:
                                        "(default: the preset's, else JAX chooses)",
                                        structural=True, choices=("xla", "cudnn"), kind=str)
   # None follows the expert tier's direction (direction_default): the
-  # orthogonal ones take skewadam_orthogonal's rank-16 factors, which the
-  # comparison's rule chose over packed signs (docs/results/quality.md); Adam's
-  # keeps the library's signs. Runs save the value it resolved to (as_dict), so
-  # a saved None is from before that rule: the library's sign.
+  # orthogonal ones take skewadam_orthogonal's factors (rank 42 in bfloat16
+  # since 0.3.0, rank 16 in float32 before), which the comparison's rule chose
+  # over packed signs (docs/results/quality.md); Adam's keeps the library's
+  # signs. Runs save the value it resolved to (as_dict), so a saved None is from
+  # before that rule: the library's sign. The same holds for the rank, dtype
+  # and update scales below: a saved None is the library's.
   expert_momentum: str | None = setting(
-      None, "SkewAdam expert-tier momentum encoding (default: lowrank, rank-16 factors, "
-      "with an orthogonal expert direction, as skewadam_jax.skewadam_orthogonal(); the "
+      None, "SkewAdam expert-tier momentum encoding (default: lowrank, rank-42 bfloat16 "
+      "factors, with an orthogonal expert direction, as skewadam_jax.skewadam_orthogonal(); the "
       "library's sign with --expert-direction adam, as skewadam_jax.skewadam())",
       structural=True, choices=_ENCODINGS, kind=str, before="sign", saved_none="sign")
   expert_lowrank_rank: int | None = setting(
       None, "with --expert-momentum lowrank: the rank of each expert matrix's momentum "
-      "factors (default: the library's, 16)", structural=True, kind=int)
+      "factors (default: 42 with an orthogonal expert direction, as "
+      "skewadam_jax.skewadam_orthogonal(); else the library's, 16)", structural=True, kind=int)
   expert_lowrank_dtype: str | None = setting(
       None, "with --expert-momentum lowrank: the factors' storage dtype (bfloat16: half "
-      "the bytes, so twice the rank at the same state; default: the library's, float32)",
+      "the bytes, so twice the rank at the same state; default: bfloat16 with an orthogonal "
+      "expert direction, as skewadam_jax.skewadam_orthogonal(); else the library's, float32)",
       structural=True, choices=skewadam_jax.encodings.LOWRANK_DTYPES, kind=str)
   expert_lowrank_complement: float | None = setting(
       None, "with --expert-momentum lowrank and an orthogonal expert direction: the weight "
@@ -199,7 +203,8 @@ class TrainConfig:
       saved_none=optimizers.LIBRARY_DIRECTION)
   backbone_orthogonal_scale: str | None = setting(
       None, "with an orthogonal backbone direction: its update scale, adam_rms (Adam's "
-      "update RMS) or width (Muon's sqrt(max(1, d_out/d_in))); default: the library's",
+      "update RMS) or width (Muon's sqrt(max(1, d_out/d_in))); default: width, as "
+      "skewadam_jax.skewadam_orthogonal() (the library's is adam_rms)",
       structural=True, choices=_ORTHOGONAL_SCALES, kind=str)
   expert_orthogonal_scale: str | None = setting(
       None, "the same for an orthogonal expert-bank direction", structural=True,
@@ -278,7 +283,8 @@ class TrainConfig:
     setting = _tier_setting(field)
     if value is not None or setting is None:
       return value
-    return direction_default(field, getattr(self, f"{setting[0]}_direction", None))
+    return direction_default(field, getattr(self, f"{setting[0]}_direction", None),
+                             self.expert_momentum)
 
   @property
   def resolved_weight_decay(self) -> float:
@@ -460,7 +466,8 @@ def _tier_setting(field: str) -> tuple[str, str] | None:
   return (tier, key) if tier in LIBRARY_TIERS and key != "direction" else None
 
 
-def direction_default(field: str, direction: str | None) -> Any:
+def direction_default(field: str, direction: str | None,
+                      expert_momentum: str | None = None) -> Any:
   """The training command's value of an unset SkewAdam tier field, for its
   tier's direction.
 
@@ -468,16 +475,25 @@ def direction_default(field: str, direction: str | None) -> Any:
   :func:`skewadam_jax.skewadam_orthogonal` gives the tier
   (:data:`skewadam_jax.ORTHOGONAL_TIER_SETTINGS`); with Adam's (the
   library's), or for a setting the alias leaves alone, ``None``: the
-  library's, as :func:`skewadam_jax.skewadam` has it.
+  library's, as :func:`skewadam_jax.skewadam` has it. The low-rank
+  momentum's settings (``expert_lowrank_*``) only where the expert momentum
+  (``expert_momentum``, unset: its own default) is ``lowrank``: another
+  momentum does not read them, so a run of it is the same run whatever
+  they are.
 
   Example:
     >>> direction_default("expert_momentum", "orthogonal"), direction_default("expert_momentum", "adam")
     ('lowrank', None)
+    >>> direction_default("expert_lowrank_rank", "orthogonal", expert_momentum="sign") is None
+    True
   """
   setting = _tier_setting(field)
   if setting is None or direction in (None, optimizers.LIBRARY_DIRECTION):
     return None
   tier, key = setting
+  if key.startswith("lowrank_") and (
+      expert_momentum or direction_default("expert_momentum", direction)) != "lowrank":
+    return None
   return skewadam_jax.ORTHOGONAL_TIER_SETTINGS.get(tier, {}).get(key)
 
 
@@ -490,13 +506,14 @@ def library_where_unset(config: dict) -> dict:
 
   Example:
     >>> library_where_unset({"expert_direction": "orthogonal", "expert_momentum": None})
-    {'expert_direction': 'orthogonal', 'expert_momentum': 'sign'}
+    {'expert_direction': 'orthogonal', 'expert_momentum': 'sign', 'expert_orthogonal_scale': 'adam_rms'}
   """
   filled = dict(config)
-  for field in TIER_FIELDS:
+  for field in TIER_FIELDS:  # expert_momentum first: the lowrank settings follow it
     setting = _tier_setting(field)
     if (setting and filled.get(field) is None
-        and direction_default(field, filled.get(f"{setting[0]}_direction")) is not None):
+        and direction_default(field, filled.get(f"{setting[0]}_direction"),
+                              filled.get("expert_momentum")) is not None):
       filled[field] = getattr(LIBRARY_TIERS[setting[0]], setting[1])
   return filled
 
@@ -524,9 +541,12 @@ def with_defaults(saved: dict) -> dict:
   defaults = {f.name: f.metadata["before"] for f in fields}
   was_none = {f.name: f.metadata["saved_none"] for f in fields
               if f.metadata["saved_none"] is not None and saved.get(f.name, 0) is None}
+  filled = {**defaults, **saved, **was_none}
+  if filled.get("optimizer") != "skewadam":
+    return filled  # it reads no tier field: nothing it saved unset meant a value
   # A run saves the tier settings that follow a direction resolved
   # (TrainConfig.as_dict), so one it saved unset was the library's.
-  return library_where_unset({**defaults, **saved, **was_none})
+  return library_where_unset(filled)
 
 
 def comparable(config: dict) -> dict:
@@ -534,7 +554,8 @@ def comparable(config: dict) -> dict:
 
   :func:`with_defaults`, and SkewAdam's tier fields blanked for the other
   optimizers, which do not read them (an AdamW run is the same run whatever
-  the training command's SkewAdam default was when it was saved).
+  the training command's SkewAdam default was when it was saved), as are the
+  low-rank momentum's settings for another expert momentum.
 
   Example:
     >>> comparable({"optimizer": "adamw", "expert_direction": "orthogonal"})["expert_direction"]
@@ -542,6 +563,8 @@ def comparable(config: dict) -> dict:
   config = with_defaults(config)
   if config.get("optimizer") != "skewadam":
     config.update(dict.fromkeys(TIER_FIELDS))
+  elif config.get("expert_momentum") != "lowrank":  # no other momentum reads them
+    config.update(dict.fromkeys(f for f in TIER_FIELDS if f.startswith("expert_lowrank_")))
   return config
 
 
@@ -683,7 +706,7 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
     ...             library_directions=False)
     {'expert_momentum': 'int8', 'router_second_moment': 'exact'}
     >>> tier_fields({"expert": {"direction": "orthogonal"}})
-    {'backbone_direction': 'adam', 'expert_direction': 'orthogonal', 'expert_momentum': 'sign'}
+    {'backbone_direction': 'adam', 'expert_direction': 'orthogonal', 'expert_momentum': 'sign', 'expert_orthogonal_scale': 'adam_rms'}
   """
   fields = ({f"{tier}_direction": optimizers.LIBRARY_DIRECTION for tier in ("backbone", "expert")}
             if library_directions else {})

@@ -55,11 +55,16 @@ DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
 # (experiments.studies.comparison.choose_default on compare-long.json).
 LIBRARY_DIRECTION = "adam"
 DEFAULT_DIRECTION = "orthogonal"
-# SkewAdam's rate by the expert tier's direction: the orthogonal ones are the
-# 1600-step sweep's best (experiments/results/compare-long.json); Adam's is
-# the sweep centre (its 1600-step best, 4.5e-3, is in the same file).
-SKEWADAM_LR = {"adam": DEFAULT_LR["skewadam"], "orthogonal": 1.35e-2,
-               "normalized_orthogonal": 2.7e-2}
+# SkewAdam's rate by the expert tier's direction and, for an orthogonal one,
+# its update scale. Adam's is the sweep centre (its 1600-step best, 4.5e-3, is
+# in compare-long.json). Orthogonal with Adam's update RMS: the 1600-step
+# sweep's best (compare-long.json); with Muon's width scaling: the tuning's
+# (muon-gap.md, the default since 0.3.0). Normalized orthogonal with width
+# scaling was not swept: twice the orthogonal rate, as with Adam's RMS.
+SKEWADAM_LR = {("adam", None): DEFAULT_LR["skewadam"],
+               ("orthogonal", "adam_rms"): 1.35e-2, ("orthogonal", "width"): 1.5e-2,
+               ("normalized_orthogonal", "adam_rms"): 2.7e-2,
+               ("normalized_orthogonal", "width"): 3e-2}
 
 
 # Decoupled weight decay on matrices without --weight-decay, every optimizer's;
@@ -85,15 +90,26 @@ def default_weight_decay(optimizer: str, skewadam_tiers: dict | None = None) -> 
 def default_lr(optimizer: str, skewadam_tiers: dict | None = None) -> float:
   """The rate a run of ``optimizer`` takes without ``--lr``.
 
+  SkewAdam's follows its expert tier's direction and update scale
+  (:data:`SKEWADAM_LR`; a scale left out is the library's, ``adam_rms``).
+
   Example:
-    >>> default_lr("skewadam", {"expert": {"direction": "orthogonal"}})
+    >>> default_lr("skewadam", {"expert": {"direction": "orthogonal", "orthogonal_scale": "width"}})
+    0.015
+    >>> default_lr("skewadam", {"expert": {"direction": "orthogonal"}})  # Adam's update RMS
     0.0135
     >>> default_lr("skewadam", {})  # the library's direction
     0.003
   """
   if optimizer != "skewadam":
     return DEFAULT_LR[optimizer]
-  return SKEWADAM_LR[_direction((skewadam_tiers or {}).get("expert", {}))]
+  expert = (skewadam_tiers or {}).get("expert", {})
+  direction = _direction(expert)
+  if direction == LIBRARY_DIRECTION:
+    return SKEWADAM_LR[(direction, None)]
+  scale = (expert.get("orthogonal_scale") if isinstance(expert, dict)
+           else getattr(expert, "orthogonal_scale", None))
+  return SKEWADAM_LR[(direction, scale or skewadam_jax.DEFAULT_EXPERT.orthogonal_scale)]
 
 Axes = Mapping[str, tuple]  # {path: logical axis names}, from models.logical_axes
 

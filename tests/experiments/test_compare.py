@@ -191,17 +191,23 @@ def test_the_training_commands_default_is_the_long_comparisons_choice():
   reports = comparison.load_reports(PLANS)
   signs = comparison.choose_default(long, reports=reports)
   assert signs is not None and signs["config"]["expert_m"] == "sign"
-  assert signs["config"] == sweeps.without_safety(
-      sweeps.resolve_entry("skewadam", {"expert_m": "sign"}))
-  # ... and on the 1600-step rows as they stand on 0.3.0's defaults (that row re-run
-  # on them, the expert momentum's rows beside it) it chooses rank 16: the default.
+  assert signs["config"] == sweeps.without_safety(sweeps.resolve_entry("skewadam", {
+      "expert_m": "sign", "backbone_scale": "adam_rms", "expert_scale": "adam_rms", "wd": 0.1}))
+  # ... on the 1600-step rows as they stand on 0.3.0's defaults (that row re-run on
+  # them, the expert momentum's rows beside it) it chooses rank 16 ...
   safe_signs = json.loads(RESULTS.with_name("safe-defaults-1600.json").read_text())
   expert_rows = json.loads(RESULTS.with_name("expert-momentum.json").read_text())
   rows = [r for r in long if r is not signs] + safe_signs + expert_rows
-  choice = comparison.choose_default(rows, reports=reports)
+  rank16 = comparison.choose_default(rows, reports=reports)
+  assert rank16 is not None and rank16["name"] == "lowrank-16"
+  assert rank16["val_ppl_mean"] + rank16["val_ppl_std"] < safe_signs[0]["val_ppl_mean"]
+  # ... and with #42's tuned candidate beside them, the candidate: the default.
+  candidate = json.loads(RESULTS.with_name("muon-gap.json").read_text())
+  choice = comparison.choose_default(rows + candidate, reports=reports)
   assert choice is not None and choice["config"] == sweeps.default_config()
-  assert choice["val_ppl_mean"] + choice["val_ppl_std"] < safe_signs[0]["val_ppl_mean"]
+  assert choice["val_ppl_mean"] + choice["val_ppl_std"] < rank16["val_ppl_mean"]
   assert optimizers.default_lr("skewadam", comparison.row_tiers(choice)) == pytest.approx(choice["lr"])
+  assert optimizers.default_lr("skewadam", comparison.row_tiers(rank16)) == pytest.approx(rank16["lr"])
 
 
 def test_merge_rows_replaces_rerun_rows_and_recomputes_step_time_ratios(tmp_path):
@@ -291,13 +297,7 @@ def test_the_expert_factors_dtype_names_a_row_only_when_not_float32():
     sweeps.parse_entries("", "expert_m=lowrank,expert_dtype=float16")
 
 
-def test_a_comparison_row_keeps_the_library_tiers_it_names_when_the_alias_moves(
-    moved_orthogonal_tiers, monkeypatch):
-
-  def moved_alias(learning_rate, weight_decay=0.2, **kwargs):  # only its signature is read
-    raise AssertionError
-
-  monkeypatch.setattr(skewadam_jax, "skewadam_orthogonal", moved_alias)
+def test_a_comparison_row_keeps_the_library_tiers_it_names_after_the_alias_moved():
   # The default row follows the alias, and trains what the training command's default does.
   default = sweeps.default_config()
   assert (default["expert_rank"], default["backbone_scale"], default["expert_scale"],

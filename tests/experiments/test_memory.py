@@ -100,7 +100,7 @@ def test_command_prints_one_json_object(capsys, tmp_path):
   assert memory.main(["--table", str(tmp_path / "r.json")]) == 0
   table = capsys.readouterr().out.strip().splitlines()
   assert len(table) == 3 and table[2].startswith(
-      "| skewadam | expert: lowrank/orthogonal, backbone: orthogonal |")
+      "| skewadam | expert: lowrank/42/bfloat16/orthogonal/width, backbone: orthogonal/width |")
 
 
 def test_bad_arguments_fail_with_one_line(capsys):
@@ -172,14 +172,17 @@ def test_tier_flags_become_skewadam_tier_configs():
   args = memory.build_parser().parse_args([
       "--expert-momentum", "int8", "--backbone-momentum", "fp32",
       "--backbone-second-moment", "exact", "--expert-direction", "orthogonal"])
+  width = {"direction": "orthogonal", "orthogonal_scale": "width"}
   assert config_lib.tiers_from_args(args) == {
-      "expert": {"momentum": "int8", "direction": "orthogonal"},
-      "backbone": {"momentum": "fp32", "second_moment": "exact", "direction": "orthogonal"}}
-  # The training command's default direction is the orthogonal one, with rank-16
-  # expert momentum; Adam's direction, the library's, is left out of the tiers.
+      "expert": {"momentum": "int8", **width},
+      "backbone": {"momentum": "fp32", "second_moment": "exact", **width}}
+  # The training command's default direction is the orthogonal one, with
+  # skewadam_orthogonal's settings (rank-42 bfloat16 expert momentum, width
+  # scaling); Adam's direction, the library's, is left out of the tiers.
   args = memory.build_parser().parse_args(["--backbone-direction", "adam"])
-  assert config_lib.tiers_from_args(args) == {
-      "expert": {"direction": "orthogonal", "momentum": "lowrank"}}
+  assert config_lib.tiers_from_args(args) == {"expert": {
+      "direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 42,
+      "lowrank_dtype": "bfloat16", "orthogonal_scale": "width"}}
 
 
 # --------------------------------------------------------------------------

@@ -71,9 +71,11 @@ def test_a_file_sets_the_fields_and_the_command_line_overrides_it(my_moe):
   model = config.model_config()
   assert (model.num_layers, model.d_model, model.num_experts, model.top_k, model.d_ff) == (
       3, 64, 8, 2, 96)
-  # A file's tiers amend the training command's defaults (orthogonal directions).
-  assert config.skewadam_tiers() == {"expert": {"momentum": "int8", "direction": "orthogonal"},
-                                     "backbone": {"momentum": "bf16", "direction": "orthogonal"}}
+  # A file's tiers amend the training command's defaults (orthogonal directions,
+  # width-scaled; no low-rank settings beside another momentum).
+  width = {"direction": "orthogonal", "orthogonal_scale": "width"}
+  assert config.skewadam_tiers() == {"expert": {"momentum": "int8", **width},
+                                     "backbone": {"momentum": "bf16", **width}}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -117,18 +119,18 @@ def test_my_own_moe_trains_from_its_file_and_the_planner_plans_the_same_file(
   report = json.loads(capsys.readouterr().out)
   assert report["num_params"] == summary["num_params"]
   assert report["opt_state_bytes_by_tier"] == summary["opt_state_bytes_by_tier"]
-  assert report["skewadam_tiers"] == {
-      "expert": {"momentum": "int8", "direction": "orthogonal"},
-      "backbone": {"momentum": "bf16", "direction": "orthogonal"}}
+  width = {"direction": "orthogonal", "orthogonal_scale": "width"}
+  assert report["skewadam_tiers"] == {"expert": {"momentum": "int8", **width},
+                                      "backbone": {"momentum": "bf16", **width}}
 
 
 def test_the_shipped_example_file_is_a_valid_configuration():
   values = config_lib.load_config_file(config_lib.ROOT / "examples" / "my-moe.toml")
   config = config_lib.TrainConfig(**values)
   config.validate()
+  width = {"direction": "orthogonal", "orthogonal_scale": "width"}
   assert config.model_config().num_experts == 16 and config.skewadam_tiers() == {
-      "expert": {"momentum": "sign", "direction": "orthogonal"},
-      "backbone": {"direction": "orthogonal"}}
+      "expert": {"momentum": "sign", **width}, "backbone": width}
 
 
 @pytest.mark.parametrize("name", sorted(models.PRESETS))
@@ -185,7 +187,7 @@ def test_the_default_expert_momentum_follows_the_direction_and_old_runs_keep_sig
       {"config": adam.as_dict() | {"expert_momentum": None}}) is None
 
 
-def test_the_orthogonal_tiers_defaults_are_the_alias_settings(moved_orthogonal_tiers):
+def test_the_orthogonal_tiers_defaults_are_the_alias_settings():
   default = config_lib.TrainConfig()
   alias = skewadam_jax.orthogonal_settings()
   tiers = default.skewadam_tiers()
@@ -200,8 +202,7 @@ def test_the_orthogonal_tiers_defaults_are_the_alias_settings(moved_orthogonal_t
   assert adam.skewadam_tiers() == {} and adam.as_dict()["expert_lowrank_rank"] is None
 
 
-def test_a_run_saved_before_the_alias_set_a_tier_key_keeps_the_librarys_value(
-    moved_orthogonal_tiers):
+def test_a_run_saved_before_the_alias_set_a_tier_key_keeps_the_librarys_value():
   # Saved unset (None) or before the field existed (absent): the library's rank 16,
   # float32 factors and Adam-RMS scale, not the alias's new values.
   old = {"optimizer": "skewadam", "backbone_direction": "orthogonal",
@@ -213,26 +214,29 @@ def test_a_run_saved_before_the_alias_set_a_tier_key_keeps_the_librarys_value(
           filled["backbone_orthogonal_scale"], filled["expert_orthogonal_scale"]) == (
               16, "float32", "adam_rms", "adam_rms")
   assert "expert_lowrank_rank=16" in config_lib.resume_check(
-      config_lib.TrainConfig().as_dict())({"config": old})
+      config_lib.TrainConfig(weight_decay=0.1).as_dict())({"config": old})
   rebuilt = config_lib.TrainConfig(**filled).skewadam_tiers()["expert"]
   expert = dataclasses.replace(skewadam_jax.DEFAULT_EXPERT, **rebuilt)
   assert (expert.lowrank_rank, expert.lowrank_dtype, expert.orthogonal_scale) == (
       16, "float32", "adam_rms")
   # A planner report's tiers are the library's arguments: what they leave out is the library's.
+  fields = config_lib.tier_fields({"expert": {"direction": "orthogonal", "momentum": "lowrank"}})
+  assert (fields["expert_lowrank_rank"], fields["expert_lowrank_dtype"]) == (16, "float32")
+  # The library's signs read no low-rank setting: none is filled in.
   fields = config_lib.tier_fields({"expert": {"direction": "orthogonal"}})
-  assert (fields["expert_lowrank_rank"], fields["expert_momentum"]) == (16, "sign")
+  assert fields["expert_momentum"] == "sign" and "expert_lowrank_rank" not in fields
   assert "expert_lowrank_rank" not in config_lib.tier_fields({})  # Adam's direction: unset
 
 
 def test_the_weight_decay_default_is_the_optimizers_and_the_alias_for_orthogonal_tiers(
     monkeypatch):
-  assert config_lib.TrainConfig().as_dict()["weight_decay"] == 0.1  # saved resolved
+  assert config_lib.TrainConfig().as_dict()["weight_decay"] == 0.2  # saved resolved
 
-  def moved(learning_rate, weight_decay=0.2, **kwargs):  # the alias with another default
+  def moved(learning_rate, weight_decay=0.3, **kwargs):  # the alias with another default
     raise AssertionError("only its signature is read")
 
   monkeypatch.setattr(skewadam_jax, "skewadam_orthogonal", moved)
-  assert config_lib.TrainConfig().resolved_weight_decay == 0.2
+  assert config_lib.TrainConfig().resolved_weight_decay == 0.3
   for other in (config_lib.TrainConfig(optimizer="adamw"),
                 config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")):
     assert other.as_dict()["weight_decay"] == 0.1
@@ -257,8 +261,9 @@ def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
   assert config_lib.resume_check(dataclasses.asdict(old))({"config": saved}) is None
   assert old.skewadam_tiers()["clip_threshold"] is None
   assert adam.skewadam_tiers() == {} and config_lib.TrainConfig().skewadam_tiers() == {
-      "backbone": {"direction": "orthogonal"},
-      "expert": {"direction": "orthogonal", "momentum": "lowrank"}}
+      "backbone": {"direction": "orthogonal", "orthogonal_scale": "width"},
+      "expert": {"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 42,
+                 "lowrank_dtype": "bfloat16", "orthogonal_scale": "width"}}
   # Another optimizer does not read the tier fields: its old runs are the same runs.
   adamw = dataclasses.asdict(config_lib.TrainConfig(optimizer="adamw"))
   assert config_lib.resume_check(adamw)({"config": {**saved, "optimizer": "adamw"}}) is None

@@ -78,11 +78,12 @@ def test_the_rest_tier_gives_muons_adamw_leaves_adamws_moments():
 
 def test_orthogonal_scale_and_rest_tier_are_training_settings():
   config = TrainConfig(backbone_direction="orthogonal", expert_direction="orthogonal",
-                       expert_orthogonal_scale="width", orthogonal_rest_tier="router")
+                       expert_orthogonal_scale="adam_rms", orthogonal_rest_tier="router")
   config.validate()
   tiers = config.skewadam_tiers()
-  assert tiers["expert"] == {"direction": "orthogonal", "orthogonal_scale": "width",
-                            "momentum": "lowrank"}
+  assert tiers["expert"] == {"direction": "orthogonal", "orthogonal_scale": "adam_rms",
+                            "momentum": "lowrank", "lowrank_rank": 42, "lowrank_dtype": "bfloat16"}
+  assert tiers["backbone"]["orthogonal_scale"] == "width"  # the default, the alias's
   assert tiers[optimizers.REST_TIER] == "router"
   assert optimizers.REST_TIER not in optimizers.tier_configs(tiers)
   from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
