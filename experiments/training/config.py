@@ -156,7 +156,7 @@ class TrainConfig:
                                        structural=True, choices=("xla", "cudnn"), kind=str)
   # None follows the expert tier's direction (direction_default): the
   # orthogonal ones take skewadam_orthogonal's factors (rank 42 in bfloat16
-  # since 0.3.0, rank 16 in float32 before), which the comparison's rule chose
+  # since #42, rank 16 in float32 before), which the comparison's rule chose
   # over packed signs (docs/results/quality.md); Adam's keeps the library's
   # signs. Runs save the value it resolved to (as_dict), so a saved None is from
   # before that rule: the library's sign. The same holds for the rank, dtype
