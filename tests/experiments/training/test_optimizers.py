@@ -213,3 +213,16 @@ def test_expert_lowrank_dtype_reaches_the_expert_tier():
   assert (expert.lowrank_rank, expert.lowrank_dtype) == (32, "bfloat16")
   with pytest.raises(ValueError, match="lowrank_dtype must be one of"):
     TrainConfig(expert_lowrank_dtype="float16").validate()
+
+
+def test_the_default_rate_follows_the_expert_tiers_direction_and_scale():
+  rate = lambda config: optimizers.default_lr(config.optimizer, config.skewadam_tiers())  # noqa: E731
+  # The default (Muon's width scaling) at the tuning's rate; Adam's update RMS at the
+  # 1600-step sweep's, so a run that names it, or one saved before the default moved
+  # (its scale unset: the library's), keeps the rate it had.
+  assert rate(TrainConfig()) == 1.5e-2
+  assert rate(TrainConfig(expert_orthogonal_scale="adam_rms")) == 1.35e-2
+  saved = TrainConfig().as_dict() | {"expert_orthogonal_scale": None, "lr": None}
+  assert rate(TrainConfig(**with_defaults(saved))) == 1.35e-2
+  assert rate(TrainConfig(backbone_direction="adam", expert_direction="adam")) == 3e-3
+  assert rate(TrainConfig(optimizer="muon")) == optimizers.DEFAULT_LR["muon"]
