@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # #42's two finalists at 1600 steps, the best SkewAdam configuration within 1.29 GB
-# (the training command's default: orthogonal tiers, rank-16 expert momentum) and
+# (then the training command's default: orthogonal tiers, rank-16 expert momentum,
+# runs_folder.sh's RANK16_DEFAULT; #42 has since moved the default to the rank-42 row) and
 # Muon, each at its tuned point (rate swept at 1600 steps, then warmup, momentum and
 # weight decay: tune-warmup.md, tune-more.md; Muon's weight decay moved to 0.2),
 # at two more seeds than the comparison's three: their 0.10 difference at 3 seeds
@@ -50,15 +51,16 @@ SEED_RUNS = {  # seeds 0 to 2 at each tuned point (expert_momentum.sh, tune_more
                                                        + (f"-seed{s}" if s else ""))
                                 for s in range(5)],
 }
-NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default)",
+NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default until #42)",
          "muon": "Muon (`optax.contrib.muon`), weight decay 0.2",
-         "muon-scale": "the default with Muon's width scaling, rate 1.5e-2, weight decay 0.2 "
+         "muon-scale": "the rank-16 row with Muon's width scaling, rate 1.5e-2, weight decay 0.2 "
                        "(`muon_gap.sh`'s `muon-scale`)",
          "muon-scale-rank-42-bf16": "that row with rank-42 bfloat16 expert momentum factors, "
                                     "1.287 GB at moe-6.78b (`muon_gap.sh`'s "
-                                    "`muon-scale-rank-42-bf16`)"}
-TEXT = {"lowrank": "The default", "muon-scale": "The default with Muon's scaling",
-        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling"}
+                                    "`muon-scale-rank-42-bf16`; the default since #42, at "
+                                    "warmup 160)"}
+TEXT = {"lowrank": "The rank-16 row", "muon-scale": "The rank-16 row with Muon's scaling",
+        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling (the default)"}
 rows = {}
 print("| contender | seeds | val ppl by seed | mean ± std |\n|---|---|---|---|")
 for name, dirs in SEED_RUNS.items():

@@ -2,8 +2,9 @@
 # #42's second scale at the long horizon: `small-x5` (experiments/configs/small-x5.toml,
 # 22,560,000 parameters, 5x small's) at 1600 steps, each contender at its tuned point
 # on `small` (rate swept at 1600 steps, then warmup, momentum and weight decay:
-# tune-warmup.md, tune-more.md; no sweep at this scale): the training command's default (the
-# orthogonal tiers, rank-16 expert momentum), Muon and AdamW, and muon_gap.sh's
+# tune-warmup.md, tune-more.md; no sweep at this scale): the training command's default
+# until #42 moved it (lowrank: the orthogonal tiers, rank-16 expert momentum,
+# runs_folder.sh's RANK16_DEFAULT), Muon and AdamW, and muon_gap.sh's
 # challenger (muon-scale: Muon's width scaling at Muon's rate), and its candidate at the
 # point the contenders' procedure ended on for it on small (rank42-bf16: rank-42 expert
 # momentum factors in bfloat16, warmup 640; seeds 0 and 1, decided before its seeds 1
