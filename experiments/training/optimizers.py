@@ -59,7 +59,7 @@ DEFAULT_DIRECTION = "orthogonal"
 # its update scale. Adam's is the sweep centre (its 1600-step best, 4.5e-3, is
 # in compare-long.json). Orthogonal with Adam's update RMS: the 1600-step
 # sweep's best (compare-long.json); with Muon's width scaling: the tuning's
-# (muon-gap.md, the default since 0.3.0). Normalized orthogonal with width
+# (muon-gap.json, the default since #42). Normalized orthogonal with width
 # scaling was not swept: twice the orthogonal rate, as with Adam's RMS.
 SKEWADAM_LR = {("adam", None): DEFAULT_LR["skewadam"],
                ("orthogonal", "adam_rms"): 1.35e-2, ("orthogonal", "width"): 1.5e-2,
