@@ -87,22 +87,6 @@ def cache_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("tokenizers")
 
 
-# skewadam_orthogonal's tiers as the comparison's rule would move them (rank-42
-# bf16 expert factors, Muon's width scaling): what follows the alias must follow.
-MOVED_ORTHOGONAL_TIERS = {
-    "backbone": {"orthogonal_scale": "width"},
-    "expert": {"momentum": "lowrank", "lowrank_rank": 42, "lowrank_dtype": "bfloat16",
-               "orthogonal_scale": "width"}}
-
-
-@pytest.fixture
-def moved_orthogonal_tiers(monkeypatch):
-  """``ORTHOGONAL_TIER_SETTINGS`` replaced by :data:`MOVED_ORTHOGONAL_TIERS`."""
-  import skewadam_jax  # pylint: disable=import-outside-toplevel
-  for module in (skewadam_jax, skewadam_jax.alias):
-    monkeypatch.setattr(module, "ORTHOGONAL_TIER_SETTINGS", MOVED_ORTHOGONAL_TIERS)
-
-
 # The test files that take longest (--durations on 2 cores), run first: xdist
 # hands a worker whole files (--dist loadfile) in collection order, so a long
 # file reached last would leave one worker finishing it alone.

@@ -491,7 +491,7 @@ def direction_default(field: str, direction: str | None,
   if setting is None or direction in (None, optimizers.LIBRARY_DIRECTION):
     return None
   tier, key = setting
-  if key.startswith("lowrank_") and (
+  if field in LOWRANK_FIELDS and (
       expert_momentum or direction_default("expert_momentum", direction)) != "lowrank":
     return None
   return skewadam_jax.ORTHOGONAL_TIER_SETTINGS.get(tier, {}).get(key)
@@ -564,7 +564,7 @@ def comparable(config: dict) -> dict:
   if config.get("optimizer") != "skewadam":
     config.update(dict.fromkeys(TIER_FIELDS))
   elif config.get("expert_momentum") != "lowrank":  # no other momentum reads them
-    config.update(dict.fromkeys(f for f in TIER_FIELDS if f.startswith("expert_lowrank_")))
+    config.update(dict.fromkeys(LOWRANK_FIELDS))
   return config
 
 
@@ -647,6 +647,8 @@ TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
                "contain_nonfinite", "nesterov", "expert_lowrank_rank",
                "expert_lowrank_complement", "expert_lowrank_dtype")
+# The expert tier's settings that only its lowrank momentum reads.
+LOWRANK_FIELDS = tuple(f for f in TIER_FIELDS if f.startswith("expert_lowrank_"))
 
 
 def add_flags(parser, fields: tuple[str, ...] | None = None) -> None:
