@@ -14,7 +14,8 @@
 # width scaling at Muon's rate and weight decay), whose five seeds that script trains,
 # and muon_gap.sh's muon-scale-rank-42-bf16 (that row with rank-42 bfloat16 factors:
 # 1.287 GB at moe-6.78b, the most the budget buys), over the seeds of the five that
-# script has finished.
+# script has finished, and that row at its tuned point (warmup 640, the default since #42),
+# over the seeds of the five muon_gap.sh has finished there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -50,6 +51,9 @@ SEED_RUNS = {  # seeds 0 to 2 at each tuned point (expert_momentum.sh, tune_more
     "muon-scale-rank-42-bf16": [R / "muon-gap-runs" / ("muon-scale-rank-42-bf16"
                                                        + (f"-seed{s}" if s else ""))
                                 for s in range(5)],
+    "muon-scale-rank-42-bf16-warmup-640": [
+        R / "muon-gap-runs" / ("muon-scale-rank-42-bf16-warmup-640" + (f"-seed{s}" if s else ""))
+        for s in range(5)],
 }
 NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default until #42)",
          "muon": "Muon (`optax.contrib.muon`), weight decay 0.2",
@@ -58,9 +62,14 @@ NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the de
          "muon-scale-rank-42-bf16": "that row with rank-42 bfloat16 expert momentum factors, "
                                     "1.287 GB at moe-6.78b (`muon_gap.sh`'s "
                                     "`muon-scale-rank-42-bf16`; the default since #42, at "
-                                    "warmup 160)"}
+                                    "warmup 160)",
+         "muon-scale-rank-42-bf16-warmup-640": "the rank-42 row at its tuned point, warmup 640 "
+                                               "(`muon-scale-rank-42-bf16-warmup-640`; the "
+                                               "default since #42)"}
 TEXT = {"lowrank": "The rank-16 row", "muon-scale": "The rank-16 row with Muon's scaling",
-        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling (the default)"}
+        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling (the default, "
+                                   "at warmup 160)",
+        "muon-scale-rank-42-bf16-warmup-640": "The default at its tuned point (warmup 640)"}
 rows = {}
 print("| contender | seeds | val ppl by seed | mean ± std |\n|---|---|---|---|")
 for name, dirs in SEED_RUNS.items():

@@ -124,6 +124,11 @@
 # The procedure ends at rate 1.5e-2, warmup 640, b1 0.9, weight decay 0.2; the point
 # moved (warmup 640), so it gets seeds 1 and 2, decided before either ran:
 #   muon-scale-rank-42-bf16-warmup-640-seed1, muon-scale-rank-42-bf16-warmup-640-seed2
+# and, as its 3 seeds there (57.66 +- 0.28) came within Muon's spread of Muon's tuned
+# 57.45 +- 0.26 and the rule made it the default, its seeds 3 and 4 at that point, to
+# set it beside Muon's five in finalists.md as muon-scale-rank-42-bf16's five are
+# (2026-12-06, decided before either ran and reported whatever they give):
+#   muon-scale-rank-42-bf16-warmup-640-seed3, muon-scale-rank-42-bf16-warmup-640-seed4
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were

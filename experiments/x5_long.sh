@@ -16,7 +16,9 @@
 # 55.66; its seed 1, rank42-bf16-warmup-160-seed1, decided after that). Decided after
 # both its seeds were in (54.43 +- 1.00 against Muon's 54.75 +- 0.82, within the spread):
 # a third seed of it and of Muon, rank42-bf16-warmup-160-seed2 and muon-seed2, reported
-# whatever they give. A row is CONTENDER
+# whatever they give; and, with those two under way (2026-12-06), the candidate's third
+# seed at its tuned point, rank42-bf16-seed2, so both of its rows have three, reported
+# whatever it gives. A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
