@@ -70,7 +70,7 @@ def chunk_size(count: int, matrix_elements: int, chunk="auto") -> int:
     (8, 1, 8)
   """
   check_chunk(chunk)
-  if chunk == "all":
+  if chunk == "all" or count == 0:  # an empty stack is one (empty) chunk
     return count
   bound = max(1, AUTO_CHUNK_ELEMENTS // max(1, matrix_elements)) if chunk == "auto" else chunk
   return max(d for d in range(1, min(bound, count) + 1) if count % d == 0)
@@ -91,10 +91,10 @@ def map_in_chunks(fn, tree, axis: int, size: int):
   ``fn`` once, with no loop.
   """
   n = jax.tree.leaves(tree)[0].shape[axis]
-  if n % size:
-    raise ValueError(f"A chunk of {size} does not divide the axis of {n}.")
   if size == n:
     return fn(tree)
+  if size <= 0 or n % size:
+    raise ValueError(f"A chunk of {size} does not divide the axis of {n}.")
   loops = n // size
   split = lambda x: x.reshape(x.shape[:axis] + (size, loops) + x.shape[axis + 1:])  # noqa: E731
   take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis + 1, keepdims=False)  # noqa: E731
@@ -198,7 +198,8 @@ def width_scale(shape, axes: MatrixAxes) -> float:
     (2.0, 1.0)
   """
   rows, cols = matrix_sides(shape, axes)
-  return math.sqrt(max(1.0, cols / rows))
+  # A matrix with no rows has no entries to scale (an empty leaf of a model's tree).
+  return math.sqrt(max(1.0, cols / rows)) if rows else 1.0
 
 
 def adam_rms_scale(shape, axes: MatrixAxes, rms: float = ADAM_RMS) -> float:
