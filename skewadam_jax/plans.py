@@ -46,7 +46,7 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
   guessed = " (guessed)" if matrix_axes is None else ""
   rows = []
   for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
-    size = max(1, math.prod(leaf.shape))
+    size = math.prod(leaf.shape)
     second = ("per-neuron float32" if plan.neuron_b2 is not None else
               "none" if plan.orthogonal else
               f"{'factored' if plan.factored else 'exact'} {plan.nu_dtype.name}")
@@ -60,7 +60,8 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
                       else "orthogonal" if plan.orthogonal else "adam")
                      + (", width-scaled" if plan.orthogonal_scale == "width" else ""),
         "decay": "yes" if decayed else "no",
-        "state B/param": round(nbytes / size, 3)})
+        # a leaf with no entries has state (its factored statistics) but no per-entry rate
+        "state B/param": round(nbytes / size, 3) if size else None})
   return rows
 
 
@@ -95,4 +96,6 @@ def plan_table(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> 
 
 
 def _cell(value) -> str:
+  if value is None:
+    return "-"
   return "[" + ", ".join(str(d) for d in value) + "]" if isinstance(value, list) else str(value)

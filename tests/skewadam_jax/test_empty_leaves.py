@@ -9,6 +9,7 @@ import pytest
 
 import skewadam_jax as sa
 from skewadam_jax import orthogonal
+from skewadam_jax import plans
 
 EMPTY_SHAPES = {"no_experts": (0, 8, 8), "no_rows": (4, 0, 8), "no_cols": (4, 8, 0),
                 "no_rows_stacked": (2, 0, 8, 8), "vector": (0,), "matrix": (0, 3)}
@@ -69,3 +70,12 @@ def test_an_empty_stack_is_one_empty_chunk():
   assert orthogonal.newton_schulz(jnp.ones((0, 8, 8))).shape == (0, 8, 8)
   with pytest.raises(ValueError, match="A chunk of 3 does not divide the axis of 8"):
     orthogonal.map_in_chunks(lambda t: t, jnp.ones((8, 2)), 0, 3)
+
+
+def test_the_plan_table_gives_an_empty_leaf_no_bytes_a_parameter():
+  rows = {row["path"]: row for row in plans.plan_rows(with_empties(base_params()))}
+  assert rows["mlp/no_cols"]["state B/param"] is None and rows["mlp/vector"]["state B/param"] is None
+  assert rows["mlp/w"]["state B/param"] > 0
+  line = next(r for r in sa.plan_table(with_empties(base_params())).splitlines()
+              if r.startswith("moe/experts/no_rows "))
+  assert line.split()[-1] == "-"
