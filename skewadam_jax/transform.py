@@ -477,6 +477,21 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
   return plans
 
 
+def _check_inexact(params) -> None:
+  """Refuses integer and boolean leaves by path: an Adam step has no integer form (its
+  update would be cast to the leaf's dtype, moving nothing), so a counter or a mask in
+  the tree is to be kept out of it rather than stepped silently."""
+  paths, leaves, _ = labels_lib.flatten_with_paths(params)
+  exact = [f"{path or '<root>'} ({jnp.dtype(leaf.dtype).name})" for path, leaf in zip(paths, leaves)
+           if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  if exact:
+    raise ValueError(
+        f"SkewAdam steps floating-point (and complex) leaves; {len(exact)} "
+        f"{'is' if len(exact) == 1 else 'are'} not: {', '.join(exact[:5])}"
+        f"{', ...' if len(exact) > 5 else ''}. Keep them out of the optimised tree "
+        "(optax.partition with optax.set_to_zero() for them, or a filtered tree).")
+
+
 def _warn_guessed_axes(tree, tiers: list[str]) -> None:
   stacked = axes_lib.guessed_stacked_paths(tree, tiers)
   if stacked:
@@ -1266,6 +1281,7 @@ def scale_by_skewadam(
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
+    _check_inexact(params)
     plans = plans_for(params, warn=True)
     per_leaf = _init_parts(plans, leaves, _init_stacks_state(group_leaves))
     fields = {name: treedef.unflatten([parts.get(name, _placeholder()) for parts in per_leaf])

@@ -147,3 +147,15 @@ def test_leaf_added_or_removed_between_init_and_update_raises():
     tx.update({**grads, "bias": jnp.zeros((4,))}, state)
   with pytest.raises(ValueError, match=r"updates' tree \(2 leaves\) differs .* \(3 leaves"):
     tx.update({"moe": grads["moe"]}, state)
+
+
+@pytest.mark.parametrize("make", [sa.skewadam, sa.skewadam_orthogonal])
+def test_an_integer_or_boolean_leaf_is_refused_at_init_by_path(make):
+  params = {"w": jnp.ones((8, 8)), "counter": jnp.array(3), "mask": jnp.ones((4,), bool)}
+  with pytest.raises(ValueError, match=r"2 are not: counter \(int32\), mask \(bool\)"):
+    make(1e-2).init(params)
+  # the remedy the message names: optax.partition keeps them out of SkewAdam's tree
+  tx = optax.partition({"skew": make(1e-2), "frozen": optax.set_to_zero()},
+                       {"w": "skew", "counter": "frozen", "mask": "frozen"})
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
