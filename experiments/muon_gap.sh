@@ -129,6 +129,8 @@
 # set it beside Muon's five in finalists.md as muon-scale-rank-42-bf16's five are
 # (2026-12-06, decided before either ran and reported whatever they give):
 #   muon-scale-rank-42-bf16-warmup-640-seed3, muon-scale-rank-42-bf16-warmup-640-seed4
+# (58.65 and 57.96: over five seeds 57.92 +- 0.47, 0.65 behind Muon's 57.27 +- 0.56 and
+# 0.38 behind this row's 10 % warmup over the same seeds, finalists.md)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were

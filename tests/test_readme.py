@@ -168,6 +168,15 @@ def test_the_figures_at_a_glance_are_the_results_files():
   behind = statistics.mean(tuned) - statistics.mean(tuned_muon)
   assert f"Muon leads the default by {behind:.2f}**, within the larger spread" in text
   assert within_noise(tuned, tuned_muon) and all(t > m for t, m in zip(tuned, tuned_muon))
+  tuned_five = tuned + [val_ppl(f"muon-gap-runs/muon-scale-rank-42-bf16-warmup-640-seed{s}")
+                        for s in (3, 4)]
+  behind = statistics.mean(tuned_five) - statistics.mean(muon_five)
+  error = math.hypot(statistics.stdev(tuned_five) / math.sqrt(5),
+                     statistics.stdev(muon_five) / math.sqrt(len(muon_five)))
+  assert (f"over 5 seeds there (seeds 3 and 4 registered before they ran) the default gives "
+          f"{ppl_text(tuned_five)} at its tuned point, {behind:.2f} behind Muon's five, "
+          f"{behind / error:.2f} standard errors") in text
+  assert within_noise(tuned_five, muon_five)
   rank42 = [val_ppl(d.relative_to(RESULTS)) for d in sorted(
       (RESULTS / "muon-gap-runs").glob("muon-scale-rank-42-bf16*"))
       if re.fullmatch(r"muon-scale-rank-42-bf16(-seed\d+)?", d.name)  # its seeds, not its rates
