@@ -482,8 +482,9 @@ def _check_inexact(params) -> None:
   update would be cast to the leaf's dtype, moving nothing), so a counter or a mask in
   the tree is to be kept out of it rather than stepped silently."""
   paths, leaves, _ = labels_lib.flatten_with_paths(params)
-  exact = [f"{path or '<root>'} ({jnp.dtype(leaf.dtype).name})" for path, leaf in zip(paths, leaves)
-           if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  dtypes = [jnp.result_type(leaf) for leaf in leaves]  # arrays, shape structs, Python numbers
+  exact = [f"{path or '<root>'} ({dtype.name})" for path, dtype in zip(paths, dtypes)
+           if not jnp.issubdtype(dtype, jnp.inexact)]
   if exact:
     raise ValueError(
         f"SkewAdam steps floating-point (and complex) leaves; {len(exact)} "
