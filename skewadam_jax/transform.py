@@ -1281,8 +1281,10 @@ def scale_by_skewadam(
                       orthogonal_mask=orthogonal_mask, warn=warn, **tiers)
 
   def init_fn(params):
-    leaves, treedef = jax.tree.flatten(params)
     _check_inexact(params)
+    # A Python number is a leaf optax accepts; its state is that of a 0-d array.
+    params = jax.tree.map(lambda x: x if hasattr(x, "shape") else jnp.asarray(x), params)
+    leaves, treedef = jax.tree.flatten(params)
     plans = plans_for(params, warn=True)
     per_leaf = _init_parts(plans, leaves, _init_stacks_state(group_leaves))
     fields = {name: treedef.unflatten([parts.get(name, _placeholder()) for parts in per_leaf])

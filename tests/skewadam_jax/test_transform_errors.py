@@ -159,3 +159,13 @@ def test_an_integer_or_boolean_leaf_is_refused_at_init_by_path(make):
                        {"w": "skew", "counter": "frozen", "mask": "frozen"})
   updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   assert updates["w"].dtype == jnp.float32
+
+
+def test_a_python_number_leaf_steps_as_a_0d_array_does():
+  grads = {"w": jnp.full((4, 4), 0.5), "s": jnp.asarray(0.25)}
+  as_number = sa.skewadam(1e-2).init({"w": jnp.ones((4, 4)), "s": 1.0})
+  as_array = sa.skewadam(1e-2).init({"w": jnp.ones((4, 4)), "s": jnp.asarray(1.0)})
+  assert_trees_equal(as_number, as_array)
+  updates, _ = sa.skewadam(1e-2).update(grads, as_number, {"w": jnp.ones((4, 4)), "s": 1.0})
+  want, _ = sa.skewadam(1e-2).update(grads, as_array, {"w": jnp.ones((4, 4)), "s": jnp.asarray(1.0)})
+  assert_trees_equal(updates, want)
