@@ -29,7 +29,10 @@ COLUMNS = ("path", "shape", "tier", "matrix axes", "momentum", "second moment", 
 
 
 def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> list[dict]:
-  """One dict per leaf with the :data:`COLUMNS` of :func:`plan_table`, in flattening order."""
+  """One dict per leaf with the :data:`COLUMNS` of :func:`plan_table`, in flattening order.
+
+  ``"state B/param"`` is ``None`` for a leaf with no entries (``-`` in the table).
+  """
   plans = transform.leaf_plans(params, warn=True, **{
       k: v for k, v in skewadam_kwargs.items()
       if k in ("param_labels", "matrix_axes", "backbone", "expert", "router",
