@@ -40,20 +40,16 @@ import json, math, pathlib, statistics, sys
 from experiments.studies import comparison
 runs = pathlib.Path(sys.argv[1])
 R = pathlib.Path("experiments/results")
+five = lambda point: [R / "muon-gap-runs" / (point + (f"-seed{s}" if s else ""))  # noqa: E731
+                      for s in range(5)]  # a muon_gap.sh point's seeds 0 to 4
 SEED_RUNS = {  # seeds 0 to 2 at each tuned point (expert_momentum.sh, tune_more.sh)
     "lowrank": [R / "expert-momentum-runs" / d for d in ("lowrank-16", "lowrank-16-seed1",
                                                           "lowrank-16-seed2")],
     "muon": [R / "tune-more-runs" / d for d in ("muon-weight-decay-0.2",
                                                  "muon-weight-decay-0.2-seed1",
                                                  "muon-weight-decay-0.2-seed2")],
-    "muon-scale": [R / "muon-gap-runs" / ("muon-scale" + (f"-seed{s}" if s else ""))
-                   for s in range(5)],
-    "muon-scale-rank-42-bf16": [R / "muon-gap-runs" / ("muon-scale-rank-42-bf16"
-                                                       + (f"-seed{s}" if s else ""))
-                                for s in range(5)],
-    "muon-scale-rank-42-bf16-warmup-640": [
-        R / "muon-gap-runs" / ("muon-scale-rank-42-bf16-warmup-640" + (f"-seed{s}" if s else ""))
-        for s in range(5)],
+    **{point: five(point) for point in ("muon-scale", "muon-scale-rank-42-bf16",
+                                        "muon-scale-rank-42-bf16-warmup-640")},
 }
 NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the default until #42)",
          "muon": "Muon (`optax.contrib.muon`), weight decay 0.2",

@@ -482,9 +482,8 @@ def _check_inexact(params) -> None:
   update would be cast to the leaf's dtype, moving nothing), so a counter or a mask in
   the tree is to be kept out of it rather than stepped silently."""
   paths, leaves, _ = labels_lib.flatten_with_paths(params)
-  dtypes = [jnp.result_type(leaf) for leaf in leaves]  # arrays, shape structs, Python numbers
-  exact = [f"{path or '<root>'} ({dtype.name})" for path, dtype in zip(paths, dtypes)
-           if not jnp.issubdtype(dtype, jnp.inexact)]
+  exact = [f"{path or '<root>'} ({jnp.dtype(leaf.dtype).name})" for path, leaf in zip(paths, leaves)
+           if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
   if exact:
     raise ValueError(
         f"SkewAdam steps floating-point (and complex) leaves; {len(exact)} "
@@ -1281,9 +1280,9 @@ def scale_by_skewadam(
                       orthogonal_mask=orthogonal_mask, warn=warn, **tiers)
 
   def init_fn(params):
-    _check_inexact(params)
     # A Python number is a leaf optax accepts; its state is that of a 0-d array.
     params = jax.tree.map(lambda x: x if hasattr(x, "shape") else jnp.asarray(x), params)
+    _check_inexact(params)
     leaves, treedef = jax.tree.flatten(params)
     plans = plans_for(params, warn=True)
     per_leaf = _init_parts(plans, leaves, _init_stacks_state(group_leaves))
