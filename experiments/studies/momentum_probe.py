@@ -1,0 +1,205 @@
+"""What a compact expert momentum can keep: measures on a trained model's expert momentum.
+
+#42 asks for an expert momentum within 1.29 GB at ``moe-6.78b`` that carries what
+float32 momentum does, and names two forms: low-rank factors per expert matrix,
+and a momentum shared by a layer's experts. These measures say what each form
+can keep, read off the float32 expert momentum of `small` after a few hundred
+steps at the default's settings (:func:`probe`), before any run is spent on it:
+
+* :func:`energy_share_of_mean` and :func:`mean_abs_cosine`: how much of the
+  experts' momenta is common to a layer (a shared momentum keeps only that);
+* :func:`top_rank_share` against :func:`shared_subspace_share` at equal bytes:
+  rank-``r`` factors per expert against one subspace of the model side shared
+  by the layer's experts;
+* :func:`spectrum_split` and :func:`cosine`: the Newton–Schulz update's size
+  inside the low-rank momentum's subspace and outside it, and how far outside
+  it the update of a low-rank momentum points where float32's does.
+
+``bash experiments/momentum_probe.sh`` runs :func:`probe` and writes
+``experiments/results/momentum-probe.json``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import skewadam_jax
+from skewadam_jax import labels, orthogonal
+
+
+def energy_share_of_mean(m: np.ndarray, axis: int) -> float:
+  """The share of ``Σ_e ‖m_e‖²`` the mean over ``axis`` (the experts) keeps.
+
+  ``E·‖mean_e m_e‖² / Σ_e ‖m_e‖²``: 1 when every expert's momentum is the same,
+  ``1/E`` on average when they are independent, 0 when they cancel.
+
+  Example:
+    >>> m = np.stack([np.eye(2), np.eye(2)])
+    >>> energy_share_of_mean(m, 0), energy_share_of_mean(np.stack([m[0], -m[0]]), 0)
+    (1.0, 0.0)
+  """
+  m = np.asarray(m, np.float64)
+  mean = np.broadcast_to(m.mean(axis=axis, keepdims=True), m.shape)
+  return float(np.sum(mean ** 2) / np.sum(m ** 2))
+
+
+def mean_abs_cosine(m: np.ndarray, axis: int) -> float:
+  """The mean ``|cos|`` between two experts' momenta (each flattened), over
+  every pair of experts along ``axis`` and every index of the other leading axes.
+
+  ``m``'s last two axes are each expert's matrix.
+  """
+  m = np.moveaxis(np.asarray(m, np.float64), axis, -3)
+  experts = m.shape[-3]
+  flat = m.reshape(-1, experts, m.shape[-2] * m.shape[-1])
+  flat = flat / np.linalg.norm(flat, axis=-1, keepdims=True)
+  gram = flat @ np.swapaxes(flat, -1, -2)
+  upper = np.triu_indices(experts, 1)
+  return float(np.mean(np.abs(gram[:, upper[0], upper[1]])))
+
+
+def top_rank_share(mats: np.ndarray, rank: int) -> float:
+  """The share of the matrices' (the last two axes) energy their best rank-``rank``
+  approximations keep, each matrix its own (Eckart–Young: the top singular values)."""
+  s = np.linalg.svd(np.asarray(mats, np.float64), compute_uv=False)
+  return float(np.sum(s[..., :rank] ** 2) / np.sum(s ** 2))
+
+
+def shared_subspace_share(mats: np.ndarray, rank: int) -> float:
+  """The share of the experts' energy one rank-``rank`` subspace of their rows keeps.
+
+  ``mats`` is ``[..., E, d, o]``: ``E`` experts whose ``d`` side (the model's
+  width) shares one subspace, the top ``rank`` left singular vectors of the
+  experts side by side (``[d, E·o]``), per index of the leading axes. Its
+  factors cost ``rank·(d/E + o)`` an expert against ``rank·(d + o)`` for
+  factors of its own.
+  """
+  mats = np.asarray(mats, np.float64)
+  side_by_side = np.concatenate(np.moveaxis(mats, -3, 0), axis=-1)  # [..., d, E·o]
+  basis = np.linalg.svd(side_by_side, full_matrices=False)[0][..., :rank]
+  kept = np.swapaxes(basis, -1, -2)[..., None, :, :] @ mats
+  return float(np.sum(kept ** 2) / np.sum(mats ** 2))
+
+
+def equal_bytes_shared_rank(rank: int, d: int, o: int, experts: int) -> int:
+  """The shared subspace's rank with per-expert rank ``rank``'s bytes (rounded down).
+
+  Example:
+    >>> equal_bytes_shared_rank(42, 128, 256, 8)
+    59
+  """
+  return int(rank * (d + o) / (d / experts + o))
+
+
+def spectrum_split(u: np.ndarray, basis: np.ndarray) -> tuple[float, float]:
+  """The mean squared singular value of ``u`` inside the span of ``basis``'s
+  orthonormal columns and outside it: ``‖PPᵀu‖²/k`` and ``‖u − PPᵀu‖²/(n − k)``
+  per matrix, averaged, with ``n = min(R, C)``.
+
+  For an orthogonal ``u`` (every singular value 1) both are 1.
+  """
+  u, basis = np.asarray(u, np.float64), np.asarray(basis, np.float64)
+  kept = basis @ (np.swapaxes(basis, -1, -2) @ u)
+  k, n = basis.shape[-1], min(u.shape[-2:])
+  count = int(np.prod(u.shape[:-2]))
+  return (float(np.sum(kept ** 2) / (k * count)),
+          float(np.sum((u - kept) ** 2) / ((n - k) * count)))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+  """The mean over matrices (the last two axes) of ``⟨a, b⟩ / (‖a‖·‖b‖)``."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  dot = np.sum(a * b, axis=(-2, -1))
+  return float(np.mean(dot / (np.linalg.norm(a, axis=(-2, -1)) * np.linalg.norm(b, axis=(-2, -1)))))
+
+
+def nesterov_input(momentum, gradient, b1: float):
+  """The orthogonal step's Newton–Schulz input from the stored momentum and this
+  step's gradient: ``m_t = b1·m + (1 − b1)·g``, then ``b1·m_t + (1 − b1)·g``."""
+  m = b1 * momentum + (1 - b1) * gradient
+  return m, b1 * m + (1 - b1) * gradient
+
+
+def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> dict:
+  """Trains `small` at the default's settings with float32 expert momentum for
+  ``steps`` steps, then measures each stacked expert matrix's momentum.
+
+  The low-rank momentum's update is the step's own with the stored momentum
+  replaced by its best rank-``r`` approximation (what rank-``r`` factors could
+  hold at best), on the gradient of batch ``steps``.
+
+  Returns:
+    One entry per expert leaf (``w_up``, ``w_gate``, ``w_down``) with the
+    measures above, and the settings.
+  """
+  # Imported here: the measures above need neither the model nor the data.
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  from experiments.training import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.TrainConfig(
+      preset="small", steps=1600, optimizer="skewadam", lr=0.015, warmup_steps=160,
+      weight_decay=0.2, expert_momentum="fp32", backbone_orthogonal_scale="width",
+      expert_orthogonal_scale="width", eval_every=10 ** 9, ckpt_every=10 ** 9,
+      log_every=100, sample_tokens=0, seed=seed)
+  with tempfile.TemporaryDirectory() as out:
+    result = run_lib.train(config, out, stop_after=steps, progress=False)
+  run = run_lib.Run(config)
+  inputs, targets = run.batch_at(steps)
+  grads = jax.grad(lambda p: models.lm_loss(nnx.merge(run.graphdef, p, run.rest),
+                                            inputs, targets)[0])(result.params)
+  d_model = run.model_config.d_model
+  by_path = {labels.path_to_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+  leaves = {}
+  for path, mu in jax.tree_util.tree_leaves_with_path(result.opt_state):
+    name = labels.path_to_str(path)
+    parts = name.split("/")
+    if "mu" not in parts or "experts" not in parts or np.ndim(mu) != 4:
+      continue
+    param = "/".join(parts[parts.index("mu") + 1:])
+    momentum = np.asarray(mu, np.float32)  # [layers, experts, R, C]
+    gradient = np.asarray(by_path[param], np.float32).reshape(momentum.shape)
+    rows, cols = momentum.shape[-2:]
+    # the model side first, for the shared subspace
+    model_side = momentum if rows == d_model else np.swapaxes(momentum, -1, -2)
+    experts = momentum.shape[1]
+    entry = {"shape": list(momentum.shape),
+             "energy_share_of_experts_mean": energy_share_of_mean(momentum, 1),
+             "mean_abs_cosine_between_experts": mean_abs_cosine(momentum, 1),
+             "ranks": {}}
+    m, nest = nesterov_input(momentum, gradient, b1)
+    full_update = np.asarray(orthogonal.newton_schulz(jnp.asarray(nest), skewadam_jax.MatrixAxes(-2, -1)))
+    left = np.linalg.svd(m.astype(np.float64), full_matrices=False)[0]
+    for rank in ranks:
+      shared_rank = equal_bytes_shared_rank(rank, d_model, model_side.shape[-1], experts)
+      basis = left[..., :rank]
+      # the best rank-r store of the momentum, then this step as the library takes it
+      stored = basis @ (np.swapaxes(basis, -1, -2) @ momentum)
+      m_low, nest_low = nesterov_input(stored, gradient, b1)
+      low_update = np.asarray(orthogonal.newton_schulz(jnp.asarray(nest_low, jnp.float32),
+                                                       skewadam_jax.MatrixAxes(-2, -1)))
+      low_basis = np.linalg.svd(m_low, full_matrices=False)[0][..., :rank]
+      outside = lambda u, b=low_basis: u - b @ (np.swapaxes(b, -1, -2) @ u)  # noqa: E731
+      entry["ranks"][str(rank)] = {
+          "share_of_directions": rank / min(rows, cols),
+          "top_rank_energy_share": top_rank_share(momentum, rank),
+          "shared_rank_at_equal_bytes": shared_rank,
+          "shared_subspace_energy_share": shared_subspace_share(model_side, shared_rank),
+          "fp32_update_sq_singular_inside_outside": spectrum_split(full_update, basis),
+          "lowrank_update_sq_singular_inside_outside": spectrum_split(low_update, low_basis),
+          "cosine_outside_lowrank_vs_fp32": cosine(outside(low_update), outside(full_update)),
+          "cosine_outside_gradient_update_vs_fp32": cosine(
+              outside(np.asarray(orthogonal.newton_schulz(
+                  jnp.asarray(gradient), skewadam_jax.MatrixAxes(-2, -1)))),
+              outside(full_update)),
+      }
+    leaves[param] = entry
+  return {"preset": "small", "steps": steps, "seed": seed, "b1": b1,
+          "settings": "the default's (rate 1.5e-2, warmup 160, weight decay 0.2, width "
+                      "scaling) with float32 expert momentum",
+          "leaves": leaves}
