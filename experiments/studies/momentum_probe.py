@@ -13,10 +13,13 @@ steps at the default's settings (:func:`probe`), before any run is spent on it:
   by the layer's experts;
 * :func:`spectrum_split` and :func:`cosine`: the Newton–Schulz update's size
   inside the low-rank momentum's subspace and outside it, and how far outside
-  it the update of a low-rank momentum points where float32's does.
+  it the update of a low-rank momentum points where float32's does;
+* :func:`follow`: each stored form carried through the same gradients as
+  float32's momentum, step after step, and its update's cosine with
+  float32's (:func:`fidelity`, from :func:`record_gradients`).
 
-``bash experiments/momentum_probe.sh`` runs :func:`probe` and writes
-``experiments/results/momentum-probe.json``.
+``bash experiments/momentum_probe.sh`` runs :func:`probe` and :func:`fidelity`
+and writes ``experiments/results/momentum-probe.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import skewadam_jax
-from skewadam_jax import labels, orthogonal
+from skewadam_jax import encodings, labels, orthogonal
 
 
 def energy_share_of_mean(m: np.ndarray, axis: int) -> float:
@@ -203,3 +206,102 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
           "settings": "the default's (rate 1.5e-2, warmup 160, weight decay 0.2, width "
                       "scaling) with float32 expert momentum",
           "leaves": leaves}
+
+
+def _orthogonal(x) -> np.ndarray:
+  return np.asarray(orthogonal.newton_schulz(jnp.asarray(x, jnp.float32),
+                                             skewadam_jax.MatrixAxes(-2, -1)))
+
+
+def follow(gradients, encoding, b1: float = 0.9, burn_in: int = 0, salt: int = 0) -> float:
+  """The mean cosine of a stored momentum's orthogonal update with float32's.
+
+  Both momenta start at zero and take the same ``gradients`` (a sequence of
+  ``[..., R, C]`` arrays, one a step); each step the stored one is decoded,
+  updated and encoded again by ``encoding`` (a
+  :class:`~skewadam_jax.encodings.MomentumEncoding`, or ``None``: no momentum,
+  the update orthogonalises the gradient), as the library's orthogonal step
+  does. The cosines of the steps after the first ``burn_in`` are averaged over
+  steps and matrices: 1 for a form that keeps float32's momentum exactly.
+  """
+  exact = stored = None
+  cosines = []
+  for step, g in enumerate(gradients):
+    g = np.asarray(g, np.float32)
+    axes = skewadam_jax.MatrixAxes(g.ndim - 2, g.ndim - 1)
+    exact_m, exact_nest = nesterov_input(0.0 if exact is None else exact, g, b1)
+    exact = exact_m
+    if encoding is None:
+      nest = g
+    else:
+      previous = (np.zeros_like(g) if stored is None
+                  else np.asarray(encoding.decode(stored, axes)))
+      m, nest = nesterov_input(previous, g, b1)
+      stored = encoding.encode(jnp.asarray(m), axes, salt=jnp.uint32(salt + step + 1),
+                               previous=stored)
+    if step >= burn_in:
+      cosines.append(cosine(_orthogonal(nest), _orthogonal(exact_nest)))
+  return float(np.mean(cosines))
+
+
+def record_gradients(steps: int, count: int, seed: int = 0) -> dict:
+  """The expert matrices' gradients of ``count`` consecutive steps of `small`
+  trained at the default's settings with float32 expert momentum, after
+  ``steps`` steps: ``{param path: [count, layers, experts, R, C]}``."""
+  # Imported here: the measures above need neither the model nor the data.
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  from experiments.training import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.TrainConfig(
+      preset="small", steps=1600, optimizer="skewadam", lr=0.015, warmup_steps=160,
+      weight_decay=0.2, expert_momentum="fp32", backbone_orthogonal_scale="width",
+      expert_orthogonal_scale="width", eval_every=10 ** 9, ckpt_every=10 ** 9,
+      log_every=100, sample_tokens=0, seed=seed)
+  recorded = {}
+
+  def keep(grads):
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+      name = labels.path_to_str(path)
+      if "experts" in name.split("/") and np.ndim(g) == 4:
+        recorded.setdefault(name, []).append(np.asarray(g, np.float32))
+
+  with tempfile.TemporaryDirectory() as out:
+    result = run_lib.train(config, out, stop_after=steps, progress=False)
+  run = run_lib.Run(config)
+  params, state = result.params, result.opt_state
+  grad_fn = jax.jit(jax.grad(lambda p, x, y: _loss(run, p, x, y)))
+  update_fn = jax.jit(run.tx.update)
+  for step in range(steps, steps + count):
+    grads = grad_fn(params, *run.batch_at(step))
+    keep(grads)
+    updates, state = update_fn(grads, state, params)
+    params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+  return {name: np.stack(gs) for name, gs in recorded.items()}
+
+
+def _loss(run, params, inputs, targets):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  return models.lm_loss(nnx.merge(run.graphdef, params, run.rest), inputs, targets)[0]
+
+
+# The stored forms :func:`fidelity` follows, by name: the library's encodings of the
+# expert momentum at the ranks and dtypes the training runs measured (muon-gap.md).
+FORMS = {
+    "fp32": lambda: encodings.get_encoding("fp32"),
+    "lowrank-42-bf16": lambda: encodings.get_encoding(
+        "lowrank", rank=42, lowrank_dtype="bfloat16", rounding="stochastic"),
+    "lowrank-16": lambda: encodings.get_encoding("lowrank", rank=16),
+    "lowrank-6-bf16": lambda: encodings.get_encoding(
+        "lowrank", rank=6, lowrank_dtype="bfloat16", rounding="stochastic"),
+    "lowrank-2": lambda: encodings.get_encoding("lowrank", rank=2),
+    "sign": lambda: encodings.get_encoding("sign"),
+    "none": lambda: None,
+}
+
+
+def fidelity(gradients: dict, forms=tuple(FORMS), b1: float = 0.9, burn_in: int = 30) -> dict:
+  """:func:`follow` for each form of :data:`FORMS` on each leaf's recorded gradients:
+  ``{form: {param path: mean cosine}}``."""
+  return {form: {name: follow(list(gs), FORMS[form](), b1=b1, burn_in=burn_in)
+                 for name, gs in gradients.items()} for form in forms}

@@ -83,3 +83,30 @@ def test_equal_bytes_shared_rank_costs_no_more_than_the_per_expert_factors():
 def test_the_docstring_examples_run():
   result = doctest.testmod(probe)
   assert result.attempted >= 2 and result.failed == 0
+
+
+def _gradients(steps, shape=(2, 6, 10)):
+  return [RNG.normal(size=shape).astype(np.float32) for _ in range(steps)]
+
+
+def test_float32_and_full_rank_factors_follow_float32_exactly():
+  grads = _gradients(12)
+  assert probe.follow(grads, skewadam_jax.encodings.get_encoding("fp32")) == pytest.approx(1.0, abs=1e-5)
+  full_rank = skewadam_jax.encodings.get_encoding("lowrank", rank=6)  # every row of 6 x 10
+  assert probe.follow(grads, full_rank, burn_in=2) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_no_momentum_follows_a_constant_gradient_but_not_a_noisy_one():
+  constant = [np.ones((6, 10), np.float32) + np.eye(6, 10, dtype=np.float32)] * 8
+  assert probe.follow(constant, None) == pytest.approx(1.0, abs=1e-5)
+  noisy = probe.follow(_gradients(30), None, burn_in=10)
+  rank_two = probe.follow(_gradients(30), skewadam_jax.encodings.get_encoding("lowrank", rank=2),
+                          burn_in=10)
+  assert noisy < 0.9 and rank_two < 0.95
+
+
+def test_fidelity_names_every_form_and_leaf():
+  grads = {"a/experts/w": np.stack(_gradients(4))}
+  result = probe.fidelity(grads, forms=("fp32", "none"), burn_in=1)
+  assert set(result) == {"fp32", "none"} and set(result["fp32"]) == {"a/experts/w"}
+  assert result["fp32"]["a/experts/w"] == pytest.approx(1.0, abs=1e-5)
