@@ -127,6 +127,35 @@ def nesterov_input(momentum, gradient, b1: float):
   return m, b1 * m + (1 - b1) * gradient
 
 
+def _orthogonal(x) -> np.ndarray:
+  """Newton–Schulz over the last two axes, as the library's orthogonal step takes it."""
+  return np.asarray(orthogonal.newton_schulz(jnp.asarray(x, jnp.float32),
+                                             skewadam_jax.MatrixAxes(-2, -1)))
+
+
+def _fp32_run(steps: int, seed: int):
+  """`small` at the default's settings with float32 expert momentum, trained ``steps``
+  steps: ``(run, result)``."""
+  # Imported here: the measures above need neither the model nor the data.
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  from experiments.training import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.TrainConfig(
+      preset="small", steps=1600, optimizer="skewadam", lr=0.015, warmup_steps=160,
+      weight_decay=0.2, expert_momentum="fp32", backbone_orthogonal_scale="width",
+      expert_orthogonal_scale="width", eval_every=10 ** 9, ckpt_every=10 ** 9,
+      log_every=100, sample_tokens=0, seed=seed)
+  with tempfile.TemporaryDirectory() as out:
+    result = run_lib.train(config, out, stop_after=steps, progress=False)
+  return run_lib.Run(config), result
+
+
+def _loss(run, params, inputs, targets):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  return models.lm_loss(nnx.merge(run.graphdef, params, run.rest), inputs, targets)[0]
+
+
 def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> dict:
   """Trains `small` at the default's settings with float32 expert momentum for
   ``steps`` steps, then measures each stacked expert matrix's momentum.
@@ -139,23 +168,9 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
     One entry per expert leaf (``w_up``, ``w_gate``, ``w_down``) with the
     measures above, and the settings.
   """
-  # Imported here: the measures above need neither the model nor the data.
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
-  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
-  from experiments.training import run as run_lib  # pylint: disable=import-outside-toplevel
-
-  config = config_lib.TrainConfig(
-      preset="small", steps=1600, optimizer="skewadam", lr=0.015, warmup_steps=160,
-      weight_decay=0.2, expert_momentum="fp32", backbone_orthogonal_scale="width",
-      expert_orthogonal_scale="width", eval_every=10 ** 9, ckpt_every=10 ** 9,
-      log_every=100, sample_tokens=0, seed=seed)
-  with tempfile.TemporaryDirectory() as out:
-    result = run_lib.train(config, out, stop_after=steps, progress=False)
-  run = run_lib.Run(config)
+  run, result = _fp32_run(steps, seed)
   inputs, targets = run.batch_at(steps)
-  grads = jax.grad(lambda p: models.lm_loss(nnx.merge(run.graphdef, p, run.rest),
-                                            inputs, targets)[0])(result.params)
+  grads = jax.grad(lambda p: _loss(run, p, inputs, targets))(result.params)
   d_model = run.model_config.d_model
   by_path = {labels.path_to_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(grads)}
   leaves = {}
@@ -176,7 +191,7 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
              "mean_abs_cosine_between_experts": mean_abs_cosine(momentum, 1),
              "ranks": {}}
     m, nest = nesterov_input(momentum, gradient, b1)
-    full_update = np.asarray(orthogonal.newton_schulz(jnp.asarray(nest), skewadam_jax.MatrixAxes(-2, -1)))
+    full_update = _orthogonal(nest)
     left = np.linalg.svd(m.astype(np.float64), full_matrices=False)[0]
     for rank in ranks:
       shared_rank = equal_bytes_shared_rank(rank, d_model, model_side.shape[-1], experts)
@@ -184,8 +199,7 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
       # the best rank-r store of the momentum, then this step as the library takes it
       stored = basis @ (np.swapaxes(basis, -1, -2) @ momentum)
       m_low, nest_low = nesterov_input(stored, gradient, b1)
-      low_update = np.asarray(orthogonal.newton_schulz(jnp.asarray(nest_low, jnp.float32),
-                                                       skewadam_jax.MatrixAxes(-2, -1)))
+      low_update = _orthogonal(nest_low)
       low_basis = np.linalg.svd(m_low, full_matrices=False)[0][..., :rank]
       outside = lambda u, b=low_basis: u - b @ (np.swapaxes(b, -1, -2) @ u)  # noqa: E731
       entry["ranks"][str(rank)] = {
@@ -196,10 +210,8 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
           "fp32_update_sq_singular_inside_outside": spectrum_split(full_update, basis),
           "lowrank_update_sq_singular_inside_outside": spectrum_split(low_update, low_basis),
           "cosine_outside_lowrank_vs_fp32": cosine(outside(low_update), outside(full_update)),
-          "cosine_outside_gradient_update_vs_fp32": cosine(
-              outside(np.asarray(orthogonal.newton_schulz(
-                  jnp.asarray(gradient), skewadam_jax.MatrixAxes(-2, -1)))),
-              outside(full_update)),
+          "cosine_outside_gradient_update_vs_fp32": cosine(outside(_orthogonal(gradient)),
+                                                           outside(full_update)),
       }
     leaves[param] = entry
   return {"preset": "small", "steps": steps, "seed": seed, "b1": b1,
@@ -207,10 +219,6 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
                       "scaling) with float32 expert momentum",
           "leaves": leaves}
 
-
-def _orthogonal(x) -> np.ndarray:
-  return np.asarray(orthogonal.newton_schulz(jnp.asarray(x, jnp.float32),
-                                             skewadam_jax.MatrixAxes(-2, -1)))
 
 
 def follow(gradients, encoding, b1: float = 0.9, burn_in: int = 0, salt: int = 0) -> float:
@@ -248,15 +256,6 @@ def record_gradients(steps: int, count: int, seed: int = 0) -> dict:
   """The expert matrices' gradients of ``count`` consecutive steps of `small`
   trained at the default's settings with float32 expert momentum, after
   ``steps`` steps: ``{param path: [count, layers, experts, R, C]}``."""
-  # Imported here: the measures above need neither the model nor the data.
-  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
-  from experiments.training import run as run_lib  # pylint: disable=import-outside-toplevel
-
-  config = config_lib.TrainConfig(
-      preset="small", steps=1600, optimizer="skewadam", lr=0.015, warmup_steps=160,
-      weight_decay=0.2, expert_momentum="fp32", backbone_orthogonal_scale="width",
-      expert_orthogonal_scale="width", eval_every=10 ** 9, ckpt_every=10 ** 9,
-      log_every=100, sample_tokens=0, seed=seed)
   recorded = {}
 
   def keep(grads):
@@ -265,9 +264,7 @@ def record_gradients(steps: int, count: int, seed: int = 0) -> dict:
       if "experts" in name.split("/") and np.ndim(g) == 4:
         recorded.setdefault(name, []).append(np.asarray(g, np.float32))
 
-  with tempfile.TemporaryDirectory() as out:
-    result = run_lib.train(config, out, stop_after=steps, progress=False)
-  run = run_lib.Run(config)
+  run, result = _fp32_run(steps, seed)
   params, state = result.params, result.opt_state
   grad_fn = jax.jit(jax.grad(lambda p, x, y: _loss(run, p, x, y)))
   update_fn = jax.jit(run.tx.update)
@@ -277,12 +274,6 @@ def record_gradients(steps: int, count: int, seed: int = 0) -> dict:
     updates, state = update_fn(grads, state, params)
     params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
   return {name: np.stack(gs) for name, gs in recorded.items()}
-
-
-def _loss(run, params, inputs, targets):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
-  return models.lm_loss(nnx.merge(run.graphdef, params, run.rest), inputs, targets)[0]
 
 
 # The stored forms :func:`fidelity` follows, by name: the library's encodings of the
