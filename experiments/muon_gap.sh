@@ -149,6 +149,10 @@
 #   muon-scale-rank-41-bf16-normalized-warmup-640-seed2)
 # (57.74: over seeds 0 to 2 57.67 +- 0.65, level with the tuned point's 57.66 +- 0.28 and
 # 0.22 behind Muon's 57.45 +- 0.26, so it stops there: not tuned further, not a default)
+# and, as the training command's rate for this direction under width scaling is twice the
+# orthogonal one, never swept (optimizers.SKEWADAM_LR), the rate's two neighbours at seed 0,
+# decided before either ran, to set that rate from a measurement:
+#   muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.0075, muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -203,6 +207,8 @@ declare -A FLAGS=(
   [muon-scale-rank-42-bf16-warmup-640-wd-0.1]="$RANK42_BF16 --warmup-steps 640 --weight-decay 0.1"
   [muon-scale-rank-42-bf16-warmup-640-wd-0.4]="$RANK42_BF16 --warmup-steps 640 --weight-decay 0.4"
   [muon-scale-rank-41-bf16-normalized-warmup-640]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal"
+  [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.0075]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.0075"
+  [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do
   finished "$RUNS/$row" && continue
