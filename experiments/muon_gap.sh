@@ -153,6 +153,8 @@
 # orthogonal one, never swept (optimizers.SKEWADAM_LR), the rate's two neighbours at seed 0,
 # decided before either ran, to set that rate from a measurement:
 #   muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.0075, muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03
+# (59.42 and 61.03 against 1.5e-2's 58.29: worse both ways, so the command's rate for it
+# is now the orthogonal one, 1.5e-2, where it was twice that)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
