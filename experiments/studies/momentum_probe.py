@@ -222,7 +222,18 @@ def probe(steps: int = 300, seed: int = 0, ranks=(6, 42), b1: float = 0.9) -> di
 
 
 
-def follow(gradients, encoding, b1: float = 0.9, burn_in: int = 0, salt: int = 0) -> float:
+def float32_updates(gradients, b1: float = 0.9) -> list[np.ndarray]:
+  """The orthogonal updates of float32 momentum, from zero, on ``gradients``
+  (a sequence of ``[..., R, C]`` arrays, one a step): :func:`follow`'s reference."""
+  momentum, updates = 0.0, []
+  for g in gradients:
+    momentum, nest = nesterov_input(momentum, np.asarray(g, np.float32), b1)
+    updates.append(_orthogonal(nest))
+  return updates
+
+
+def follow(gradients, encoding, b1: float = 0.9, burn_in: int = 0, salt: int = 0,
+           reference=None) -> float:
   """The mean cosine of a stored momentum's orthogonal update with float32's.
 
   Both momenta start at zero and take the same ``gradients`` (a sequence of
@@ -232,14 +243,16 @@ def follow(gradients, encoding, b1: float = 0.9, burn_in: int = 0, salt: int = 0
   the update orthogonalises the gradient), as the library's orthogonal step
   does. The cosines of the steps after the first ``burn_in`` are averaged over
   steps and matrices: 1 for a form that keeps float32's momentum exactly.
+  ``reference``: float32's updates on the same gradients
+  (:func:`float32_updates`), computed here when not given.
   """
-  exact = stored = None
+  if reference is None:
+    reference = float32_updates(gradients, b1)
+  stored = None
   cosines = []
-  for step, g in enumerate(gradients):
+  for step, (g, exact_update) in enumerate(zip(gradients, reference)):
     g = np.asarray(g, np.float32)
     axes = skewadam_jax.MatrixAxes(g.ndim - 2, g.ndim - 1)
-    exact_m, exact_nest = nesterov_input(0.0 if exact is None else exact, g, b1)
-    exact = exact_m
     if encoding is None:
       nest = g
     else:
@@ -249,7 +262,7 @@ def follow(gradients, encoding, b1: float = 0.9, burn_in: int = 0, salt: int = 0
       stored = encoding.encode(jnp.asarray(m), axes, salt=jnp.uint32(salt + step + 1),
                                previous=stored)
     if step >= burn_in:
-      cosines.append(cosine(_orthogonal(nest), _orthogonal(exact_nest)))
+      cosines.append(cosine(_orthogonal(nest), exact_update))
   return float(np.mean(cosines))
 
 
@@ -336,5 +349,8 @@ FORMS = {
 def fidelity(gradients: dict, forms=tuple(FORMS), b1: float = 0.9, burn_in: int = 30) -> dict:
   """:func:`follow` for each form of :data:`FORMS` on each leaf's recorded gradients:
   ``{form: {param path: mean cosine}}``."""
-  return {form: {name: follow(list(gs), FORMS[form](), b1=b1, burn_in=burn_in)
+  # float32's updates once a leaf, the reference of every form
+  references = {name: float32_updates(gs, b1) for name, gs in gradients.items()}
+  return {form: {name: follow(list(gs), FORMS[form](), b1=b1, burn_in=burn_in,
+                              reference=references[name])
                  for name, gs in gradients.items()} for form in forms}
