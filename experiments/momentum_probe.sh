@@ -7,8 +7,8 @@
 # shared by the experts at equal bytes, and the Newton-Schulz update's size and
 # direction outside the low-rank momentum's subspace, against float32's; then the
 # gradients of the next 100 steps of that run, and each stored form (the library's
-# encodings at the ranks the training runs measured, and a candidate not in the library:
-# the factors in int8, at rank 6 and rank 42 in bfloat16's bytes) carried through them beside
+# encodings at the ranks the training runs measured, and the factors in int8 at rank 6
+# and rank 42 in bfloat16's bytes: ranks 12 and 84) carried through them beside
 # float32's momentum: its update's mean cosine with float32's after 30 steps. About
 # 8 min on a 2-core CPU. Rewrites the committed experiments/results/momentum-probe.json.
 set -euo pipefail

@@ -19,6 +19,8 @@ is a tree shaped like the parameters):
 | lowrank| ``mu_row``: ``P``, float32, the matrix's   | ``mu_col``: ``Qᵀ``, float32, the rows side     | 4·r·(R + C)/(R·C)      |
 |        | columns side replaced by the rank ``r``    | replaced by ``r``; ``m ≈ P·Qᵀ``                | (0.11 at 1024×1400, 16)|
 |        | (or bfloat16: ``lowrank_dtype``)           | (bfloat16 likewise)                            | 2·r·(R + C)/(R·C)      |
+|        | (or int8 codes)                            | (int8 likewise; ``mu_scale``: a float32 step   | (r·(R + C) + 4·r)/(R·C)|
+|        |                                            | per row of ``Qᵀ``, ``P``'s steps moved there)  |                        |
 | none   | nothing: no momentum (``m_t = g_t``)       |                                                | 0                      |
 
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
@@ -136,7 +138,7 @@ class DenseEncoding(MomentumEncoding):
 
 
 # The low-rank factors' storage dtypes (a factor is a float32 product each step).
-LOWRANK_DTYPES = ("float32", "bfloat16")
+LOWRANK_DTYPES = ("float32", "bfloat16", "int8")
 
 # μ of the μ-law int8 code: entries down to ~absmax/μ keep ~2 % relative error.
 MULAW_MU = 255.0
@@ -369,11 +371,17 @@ class LowRankEncoding(MomentumEncoding):
   starting ``Q`` is drawn once for the rest of the shape and shared along
   them, so each leaf of a group starts as it does stepped alone.
 
-  ``dtype``: the factors' storage dtype, ``float32`` or ``bfloat16`` (half the
-  bytes, so twice the rank at the same state). Every step still computes in
-  float32 and rounds only what it stores; ``stochastic=True`` rounds to bf16
-  stochastically (salted by the step count) so the carried ``Qᵀ`` stays
-  unbiased, as a bf16 dense momentum does.
+  ``dtype``: the factors' storage dtype, ``float32``, ``bfloat16`` (half the
+  bytes, so twice the rank at the same state) or ``int8`` (a quarter, plus
+  ``4·r`` bytes of scales a matrix). Every step still computes in float32 and
+  rounds only what it stores; ``stochastic=True`` rounds stochastically
+  (salted by the step count) so the carried ``Qᵀ`` stays unbiased, as a bf16
+  dense momentum does. In int8, ``P``'s columns are coded against their
+  absmax ``a_j`` and those steps are moved into ``Qᵀ``
+  (``P·Qᵀ = P̂·(diag(a/127)·Qᵀ)``), whose rows are coded against their own
+  absmax, kept as float32 in ``mu_scale`` (``Qᵀ``'s shape with its column
+  axes 1). ``P̂`` then no longer has orthonormal columns; :meth:`project`
+  orthonormalises it.
   """
   rank: int = 16
   stacked: int = 0
@@ -389,6 +397,22 @@ class LowRankEncoding(MomentumEncoding):
       return rounding.stochastic_round_to_bf16_hashed(x, salt)
     return x.astype(jnp.bfloat16)
 
+  def _int8(self, x, axis: int, salt, stream: int):
+    """``x`` in int8 codes against the absmax along ``axis``, and the code step.
+
+    ``codes = round(127·x / absmax)``, rounded stochastically (unbiased) when
+    ``stochastic`` and ``salt`` are given, else to nearest; ``x ≈ codes·step``.
+    ``stream`` keeps the two factors' random draws apart.
+    """
+    step = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
+    step = jnp.where(step > 0, step, 1.0)
+    scaled = x / step
+    if self.stochastic and salt is not None:
+      codes = jnp.floor(scaled + rounding.uniform_hashed(scaled, salt, stream))
+    else:
+      codes = jnp.round(scaled)
+    return jnp.clip(codes, -127, 127).astype(jnp.int8), step
+
   def encode(self, m, axes, salt=None, previous=None):
     view = _MatrixView.of(m.shape, axes)
     m = view.to_matrix(m.astype(jnp.float32))  # [..., R, C]
@@ -399,8 +423,9 @@ class LowRankEncoding(MomentumEncoding):
     if previous is None:
       q = start
     else:
-      q = _explicit.like(jnp.swapaxes(view.to_matrix(
-          previous["mu_col"].astype(jnp.float32)), -1, -2), m)  # stored as Qᵀ
+      # The stored Qᵀ (times its row scales, for int8: a scale per column of Q
+      # would leave the subspace m·Q spans as it is anyway).
+      q = _explicit.like(jnp.swapaxes(self._matrix_q_t(previous, axes), -1, -2), m)
       started = _explicit.like(jnp.any(q != 0, axis=(-2, -1), keepdims=True), q)
       q = jnp.where(started, q, start)
     # XLA's batched QR has no sharding rule for explicit mesh axes: it runs on the
@@ -409,14 +434,28 @@ class LowRankEncoding(MomentumEncoding):
     p = _explicit.like(jnp.linalg.qr(_explicit.replicated(mq))[0], mq)
     q_t = jnp.swapaxes(p, -1, -2) @ m  # Qᵀ = Pᵀ·m, [..., r, C]
     shortened = lambda sizes: (1,) * (len(sizes) - 1) + (r,)  # noqa: E731
-    return {"mu_row": self._store(view.from_matrix(p, view.rows, shortened(view.cols)), salt),
-            "mu_col": self._store(view.from_matrix(q_t, shortened(view.rows), view.cols), salt)}
+    as_p = lambda x: view.from_matrix(x, view.rows, shortened(view.cols))  # noqa: E731
+    as_q_t = lambda x, cols=view.cols: view.from_matrix(x, shortened(view.rows), cols)  # noqa: E731
+    if jnp.dtype(self.dtype) != jnp.int8:
+      return {"mu_row": self._store(as_p(p), salt), "mu_col": self._store(as_q_t(q_t), salt)}
+    # P·Qᵀ = P̂·(diag(a)·Qᵀ) with a P's column code steps: P's scales move into
+    # Qᵀ, whose rows keep one float32 step each.
+    p_codes, p_step = self._int8(p, -2, salt, 0)
+    q_codes, q_step = self._int8(q_t * jnp.swapaxes(p_step, -1, -2), -1, salt, 1)
+    return {"mu_row": as_p(p_codes), "mu_col": as_q_t(q_codes),
+            "mu_scale": as_q_t(q_step, (1,) * len(view.cols))}
+
+  def _matrix_q_t(self, parts, axes):
+    """The stored ``Qᵀ`` as float32 ``[..., r, C]`` (int8 codes times their row steps)."""
+    q_t = _MatrixView.of(parts["mu_col"].shape, axes).to_matrix(parts["mu_col"].astype(jnp.float32))
+    if "mu_scale" in parts and jnp.dtype(self.dtype) == jnp.int8:
+      q_t = q_t * _MatrixView.of(parts["mu_scale"].shape, axes).to_matrix(parts["mu_scale"])
+    return q_t
 
   def decode(self, parts, axes):
     p_view = _MatrixView.of(parts["mu_row"].shape, axes)
     q_view = _MatrixView.of(parts["mu_col"].shape, axes)
-    product = (p_view.to_matrix(parts["mu_row"].astype(jnp.float32))
-               @ q_view.to_matrix(parts["mu_col"].astype(jnp.float32)))
+    product = p_view.to_matrix(parts["mu_row"].astype(jnp.float32)) @ self._matrix_q_t(parts, axes)
     return p_view.from_matrix(product, p_view.rows, q_view.cols)
 
   def project(self, parts, x, axes):
@@ -428,6 +467,8 @@ class LowRankEncoding(MomentumEncoding):
     """
     p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(
         parts["mu_row"].astype(jnp.float32))
+    if jnp.dtype(self.dtype) == jnp.int8:  # codes: the columns' scales moved into Qᵀ
+      p = _explicit.like(jnp.linalg.qr(_explicit.replicated(p))[0], p)
     view = _MatrixView.of(x.shape, axes)
     x_matrix = view.to_matrix(x.astype(jnp.float32))
     projected = p @ (jnp.swapaxes(p, -1, -2) @ x_matrix)
@@ -439,8 +480,8 @@ def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
                  lowrank_dtype: str = "float32") -> MomentumEncoding | None:
   """The encoding called ``name`` (``None`` for ``"none"``).
 
-  ``rounding``: how ``"bf16"`` (and ``"lowrank"`` factors stored in bfloat16)
-  round, ``"nearest"`` or ``"stochastic"``. ``lowrank_dtype``: the
+  ``rounding``: how ``"bf16"`` (and ``"lowrank"`` factors stored in bfloat16
+  or int8) round, ``"nearest"`` or ``"stochastic"``. ``lowrank_dtype``: the
   ``"lowrank"`` factors' storage dtype, one of :data:`LOWRANK_DTYPES`.
 
   Raises:
@@ -482,7 +523,7 @@ def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
     if dtype_name not in LOWRANK_DTYPES:
       raise ValueError(f"lowrank_dtype must be one of {LOWRANK_DTYPES}, got {lowrank_dtype!r}.")
     return LowRankEncoding(rank, dtype=jnp.dtype(dtype_name),
-                           stochastic=dtype_name == "bfloat16" and rounding == "stochastic")
+                           stochastic=dtype_name != "float32" and rounding == "stochastic")
   if name == "none":
     return None
   raise ValueError(f"Unknown momentum encoding {name!r}; expected one of {ENCODINGS}.")

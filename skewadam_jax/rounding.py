@@ -135,6 +135,48 @@ def stochastic_round_to_bf16_hashed(x: jax.Array, salt) -> jax.Array:
   return _round_with(x32, _mix32(upper ^ _mix32(_position(x32.shape) + salt)))
 
 
+def uniform_hashed(x: jax.Array, salt, stream: int = 0) -> jax.Array:
+  """Uniform numbers in ``[0, 1)`` of ``x``'s shape, hashed from each entry's
+  position and ``(salt, stream)``: the noise of a stochastic rounding
+  ``floor(x + u)`` inside an optimizer's update, which holds no PRNG key.
+
+  As :func:`stochastic_round_to_bf16_hashed`: positions are counted within the
+  last two axes (a matrix draws the same numbers alone or in a stack), a call
+  is a pure function (a resumed run draws as an uninterrupted one) and nothing
+  random is stored. ``stream`` separates two draws of one step. Under explicit
+  sharding the position is replaced by ``floor(x)``'s bits (an explicitly
+  sharded array cannot meet a replicated index array), which does not depend
+  on where ``x`` lies between its integer neighbours, so ``floor(x + u)``
+  stays unbiased.
+
+  Args:
+    x: the array whose shape (and, under explicit sharding, integer part)
+      the numbers follow.
+    salt: an integer scalar (array or Python int); a new one each step.
+    stream: a small int telling apart the draws made with one salt.
+
+  Returns:
+    A float32 array of ``x``'s shape, multiples of 2⁻²⁴ in ``[0, 1)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from skewadam_jax import rounding
+    >>> x = jnp.full((4096,), 2.25)   # a quarter of the way to 3
+    >>> up = jnp.floor(x + rounding.uniform_hashed(x, 7)) == 3
+    >>> 0.2 < float(up.mean()) < 0.3
+    True
+  """
+  x32 = jnp.asarray(x, jnp.float32)
+  salt = jnp.asarray(np.uint32(salt % 2**32) if isinstance(salt, int) else salt)
+  salt = salt.astype(jnp.uint32) * np.uint32(0x9E3779B9) + np.uint32(stream * 0x85EBCA77 % 2**32)
+  if _explicit.explicit_spec(x32) is not None:
+    where = jax.lax.bitcast_convert_type(jnp.floor(x32), jnp.uint32)
+    bits = _mix32(where ^ _mix32(salt))
+  else:
+    bits = _mix32(_mix32(_position(x32.shape) + salt) ^ salt)
+  return (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+
+
 def apply_updates_stochastic(params, updates, key: jax.Array):
   """Applies updates as ``optax.apply_updates``, rounding bf16 leaves stochastically.
 

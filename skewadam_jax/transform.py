@@ -139,10 +139,11 @@ class TierConfig:
     lowrank_rank: the rank ``r`` of the ``"lowrank"`` momentum
       (:class:`~skewadam_jax.encodings.LowRankEncoding`: ``4·r·(R + C)`` bytes
       a ``R × C`` matrix; 16 keeps ``moe-6.78b``'s whole state within 1.29 GB).
-    lowrank_dtype: the ``"lowrank"`` factors' storage dtype: ``"float32"`` or
+    lowrank_dtype: the ``"lowrank"`` factors' storage dtype: ``"float32"``,
       ``"bfloat16"`` (``2·r·(R + C)`` bytes, so rank ``2r`` at rank ``r``'s
-      float32 bytes; rounded as ``momentum_rounding`` says; the step computes
-      in float32 either way).
+      float32 bytes) or ``"int8"`` (``r·(R + C) + 4·r`` bytes: codes, and a
+      float32 step per row of ``Qᵀ``); rounded as ``momentum_rounding`` says;
+      the step computes in float32 either way.
     lowrank_complement: with ``"lowrank"`` momentum and an orthogonal
       direction, the weight ``λ`` of the update's part outside the stored
       momentum's subspace: ``u ← P·Pᵀ·u + λ·(u − P·Pᵀ·u)``, with ``P`` the

@@ -60,7 +60,8 @@ def make_tx(entry):
     # columns is not supported under explicit axes (its Gram product's sharding).
     experts_only = {"w": False, "norm": False, "w_rep": False,
                     "moe": {"router": False, "experts": True}}
-    return skewadam_jax.skewadam_orthogonal(lr, orthogonal_mask=experts_only)
+    return skewadam_jax.skewadam_orthogonal(lr, orthogonal_mask=experts_only,
+                                            expert=entry.get("expert"))
   if entry["momentum"] is None:
     return skewadam_jax.skewadam(lr, weight_decay=wd)
   tier = skewadam_jax.TierConfig(entry["momentum"], entry["second_moment"],

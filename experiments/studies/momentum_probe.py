@@ -24,7 +24,6 @@ and writes ``experiments/results/momentum-probe.json``.
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 
 import jax
@@ -290,46 +289,9 @@ def record_gradients(steps: int, count: int, seed: int = 0) -> dict:
   return {name: np.stack(gs) for name, gs in recorded.items()}
 
 
-@dataclasses.dataclass(frozen=True)
-class Int8Factors(encodings.LowRankEncoding):
-  """A candidate form, not in the library: the low-rank factors in int8.
-
-  ``P`` is quantised column by column against its absolute maximum ``a_j``
-  and that scale is moved into ``Qᵀ`` (``P·Qᵀ = P̂·(diag(a/127)·Qᵀ)``), which
-  is quantised row by row against its own absolute maximum ``b_i``, kept in
-  float32; both round stochastically (unbiased), salted by the step. So rank
-  ``2r`` in int8 costs about rank ``r`` in bfloat16's bytes:
-  ``r·(R + C)`` bytes and ``4·r`` of scales a matrix against ``2·r·(R + C)``.
-  The warm start reads the stored ``Q̂ᵀ``: a scale per row of ``Qᵀ`` leaves the
-  subspace ``m·Q`` spans as it is.
-  """
-
-  def _store(self, x, salt):
-    return x  # quantised in encode, with the scales
-
-  @staticmethod
-  def _quantise(x, axis, key):
-    scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127
-    scale = jnp.where(scale > 0, scale, 1.0)
-    noise = jax.random.uniform(key, x.shape)
-    return jnp.clip(jnp.floor(x / scale + noise), -127, 127).astype(jnp.int8), scale
-
-  def encode(self, m, axes, salt=None, previous=None):
-    parts = super().encode(m, axes, salt, previous)
-    key = jax.random.fold_in(jax.random.key(0), 0 if salt is None else salt)
-    p, p_scale = self._quantise(parts["mu_row"], -2, jax.random.fold_in(key, 0))
-    q_t = parts["mu_col"] * jnp.swapaxes(p_scale, -1, -2)
-    q_t, q_scale = self._quantise(q_t, -1, jax.random.fold_in(key, 1))
-    return {"mu_row": p, "mu_col": q_t, "mu_scale": q_scale}
-
-  def decode(self, parts, axes):
-    return (parts["mu_row"].astype(jnp.float32)
-            @ (parts["mu_col"].astype(jnp.float32) * parts["mu_scale"]))
-
-
 # The stored forms :func:`fidelity` follows, by name: the library's encodings of the
 # expert momentum at the ranks and dtypes the training runs measured (muon-gap.md),
-# then candidates at their bytes (int8 factors: rank 12 at rank 6 in bfloat16's, the
+# then the factors in int8 at the same bytes (rank 12 at rank 6 in bfloat16's, the
 # default's share at moe-6.78b on small; rank 84 at rank 42 in bfloat16's).
 FORMS = {
     "fp32": lambda: encodings.get_encoding("fp32"),
@@ -341,8 +303,10 @@ FORMS = {
     "lowrank-2": lambda: encodings.get_encoding("lowrank", rank=2),
     "sign": lambda: encodings.get_encoding("sign"),
     "none": lambda: None,
-    "candidate-int8-factors-12": lambda: Int8Factors(12),
-    "candidate-int8-factors-84": lambda: Int8Factors(84),
+    "lowrank-12-int8": lambda: encodings.get_encoding(
+        "lowrank", rank=12, lowrank_dtype="int8", rounding="stochastic"),
+    "lowrank-84-int8": lambda: encodings.get_encoding(
+        "lowrank", rank=84, lowrank_dtype="int8", rounding="stochastic"),
 }
 
 

@@ -172,7 +172,8 @@ class TrainConfig:
       "skewadam_jax.skewadam_orthogonal(); else the library's, 16)", structural=True, kind=int)
   expert_lowrank_dtype: str | None = setting(
       None, "with --expert-momentum lowrank: the factors' storage dtype (bfloat16: half "
-      "the bytes, so twice the rank at the same state; default: bfloat16 with an orthogonal "
+      "the bytes, so twice the rank at the same state; int8: a quarter, plus a float32 "
+      "scale per rank a matrix; default: bfloat16 with an orthogonal "
       "expert direction, as skewadam_jax.skewadam_orthogonal(); else the library's, float32)",
       structural=True, choices=skewadam_jax.encodings.LOWRANK_DTYPES, kind=str)
   expert_lowrank_complement: float | None = setting(

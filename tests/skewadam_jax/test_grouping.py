@@ -33,6 +33,8 @@ def _grads(tree, step):
 SETTINGS = {
     "default": {},
     "orthogonal": sa.orthogonal_settings(),
+    "orthogonal-int8-factors": sa.orthogonal_settings(
+        expert={"lowrank_rank": 84, "lowrank_dtype": "int8"}),
     "int8-bf16": {"expert": {"momentum": "int8", "int8_block_size": 8},
                   "backbone": {"momentum": "bf16", "second_moment": "exact"}},
 }

@@ -112,3 +112,24 @@ def test_hashed_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
   nudged = np.asarray(x).view(np.uint32) ^ np.uint32(1)
   other = rounding.stochastic_round_to_bf16_hashed(jnp.asarray(nudged.view(np.float32)), 3)
   assert float(jnp.mean(other.astype(jnp.float32) != got)) < 0.001
+
+
+def test_hashed_uniform_numbers_are_uniform_and_stable_under_stacking():
+  from skewadam_jax import rounding  # pylint: disable=import-outside-toplevel
+  x = jnp.zeros((64, 64))
+  draws = np.stack([np.asarray(rounding.uniform_hashed(x, salt)) for salt in range(16)])
+  assert draws.min() >= 0.0 and draws.max() < 1.0
+  # 65536 draws: mean and decile counts of a uniform, to a few standard errors
+  assert abs(draws.mean() - 0.5) < 0.005
+  counts = np.histogram(draws, bins=10, range=(0, 1))[0] / draws.size
+  assert np.all(np.abs(counts - 0.1) < 0.005), counts
+  # a new salt, or another stream of one salt, draws other numbers
+  assert np.mean(draws[0] == draws[1]) < 0.01
+  other = np.asarray(rounding.uniform_hashed(x, 0, stream=1))
+  assert np.mean(other == draws[0]) < 0.01 and abs(np.corrcoef(other.ravel(), draws[0].ravel())[0, 1]) < 0.03
+  # positions count within the last two axes: a matrix draws alike alone or stacked
+  stacked = np.asarray(rounding.uniform_hashed(jnp.zeros((3, 64, 64)), 5))
+  np.testing.assert_array_equal(stacked[2], draws[5])
+  # floor(x + u) is unbiased: a quarter of the way up rounds up a quarter of the time
+  up = np.mean(np.floor(2.25 + draws) == 3.0)
+  assert abs(up - 0.25) < 0.01, up

@@ -199,18 +199,20 @@ def test_expert_lowrank_complement_reaches_the_expert_tier():
     TrainConfig(expert_lowrank_complement=2.0).validate()
 
 
-def test_expert_lowrank_dtype_reaches_the_expert_tier():
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_expert_lowrank_dtype_reaches_the_expert_tier(dtype):
   import argparse  # pylint: disable=import-outside-toplevel
   import skewadam_jax as sa  # pylint: disable=import-outside-toplevel
   from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser()
   config_lib.add_flags(parser, config_lib.TIER_FIELDS)
-  args = parser.parse_args(["--expert-lowrank-rank", "32", "--expert-lowrank-dtype", "bfloat16"])
+  args = parser.parse_args(["--expert-lowrank-rank", "32", "--expert-lowrank-dtype", dtype])
   tiers = config_lib.tiers_from_args(args)
-  assert tiers["expert"]["lowrank_dtype"] == "bfloat16"
+  assert tiers["expert"]["lowrank_dtype"] == dtype
   assert TrainConfig(**config_lib.tier_fields(tiers)).skewadam_tiers() == tiers
   expert = sa.TierConfig(**optimizers.tier_configs(tiers)["expert"])
-  assert (expert.lowrank_rank, expert.lowrank_dtype) == (32, "bfloat16")
+  assert (expert.lowrank_rank, expert.lowrank_dtype) == (32, dtype)
+  assert expert.momentum_encoding().stochastic  # the default rounding reaches the factors
   with pytest.raises(ValueError, match="lowrank_dtype must be one of"):
     TrainConfig(expert_lowrank_dtype="float16").validate()
 
