@@ -18,7 +18,11 @@
 # a third seed of it and of Muon, rank42-bf16-warmup-160-seed2 and muon-seed2, reported
 # whatever they give; and, with those two under way (2026-12-06), the candidate's third
 # seed at its tuned point, rank42-bf16-seed2, so both of its rows have three, reported
-# whatever it gives. A row is CONTENDER
+# whatever it gives; and (2026-12-06), as rank 84 in int8 (the same bytes at moe-6.78b,
+# muon_gap.sh) was ahead of rank 42 in bfloat16 on small at seeds 0 and 1 (57.16 against
+# 57.53), that form at the same point here, seed 0 first, decided before it ran and
+# reported whatever it gives: rank84-int8 (rank 84 is a third of small-x5's 256 expert
+# rows, as rank 42 is of small's 128). A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
@@ -44,6 +48,8 @@ declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md
   # muon_gap.sh's rank-42 bfloat16 candidate at its tuned point on small (quality page)
   [rank42-bf16]="$RANK42_BF16 --warmup-steps 640"
   [rank42-bf16-warmup-160]="$RANK42_BF16 --warmup-steps 160"
+  # the same bytes at moe-6.78b in int8 codes: twice the rank (muon_gap.sh)
+  [rank84-int8]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 84 --expert-lowrank-dtype int8"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then
