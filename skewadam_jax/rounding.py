@@ -144,13 +144,14 @@ def uniform_hashed(x: jax.Array, salt, stream: int = 0) -> jax.Array:
   last two axes (a matrix draws the same numbers alone or in a stack), a call
   is a pure function (a resumed run draws as an uninterrupted one) and nothing
   random is stored. ``stream`` separates two draws of one step. Under explicit
-  sharding the position is replaced by ``floor(x)``'s bits (an explicitly
-  sharded array cannot meet a replicated index array), which does not depend
-  on where ``x`` lies between its integer neighbours, so ``floor(x + u)``
-  stays unbiased.
+  sharding the position is replaced by ``x``'s upper 16 bits, as in
+  :func:`stochastic_round_to_bf16_hashed` (an explicitly sharded array cannot
+  meet a replicated index array): for a given ``x`` the numbers are still
+  uniform over salts, so ``floor(x + u)`` stays unbiased, and entries of
+  different sizes draw apart within a step.
 
   Args:
-    x: the array whose shape (and, under explicit sharding, integer part)
+    x: the array whose shape (and, under explicit sharding, upper bits)
       the numbers follow.
     salt: an integer scalar (array or Python int); a new one each step.
     stream: a small int telling apart the draws made with one salt.
@@ -170,8 +171,8 @@ def uniform_hashed(x: jax.Array, salt, stream: int = 0) -> jax.Array:
   salt = jnp.asarray(np.uint32(salt % 2**32) if isinstance(salt, int) else salt)
   salt = salt.astype(jnp.uint32) * np.uint32(0x9E3779B9) + np.uint32(stream * 0x85EBCA77 % 2**32)
   if _explicit.explicit_spec(x32) is not None:
-    where = jax.lax.bitcast_convert_type(jnp.floor(x32), jnp.uint32)
-    bits = _mix32(where ^ _mix32(salt))
+    upper = jax.lax.bitcast_convert_type(x32, jnp.uint32) & _HIGH_MASK
+    bits = _mix32(upper ^ _mix32(salt))
   else:
     bits = _mix32(_mix32(_position(x32.shape) + salt) ^ salt)
   return (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
