@@ -168,6 +168,8 @@
 # seeds 0 and 1 57.16 against the tuned point's 57.53, so it gets seed 2, decided before
 # it ran and reported whatever it gives:
 #   muon-scale-rank-84-int8-warmup-640-seed2)
+# (57.60: over seeds 0 to 2 57.31 +- 0.37, 0.14 below Muon's tuned 57.45 +- 0.26, within
+# the larger spread; not tuned by the procedure itself, and not the default: quality page)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
