@@ -92,21 +92,19 @@ DIR=$GPU plan moe-6.78b-h100-skewadam-library --preset moe-6.78b --target h100-8
 # bfloat16 expert factors under Muon's width scaling), planned before the rule made it the
 # default: the same steps as skewadam, skewadam-update-in-backward and
 # moe-47b-h200-skewadam-orthogonal-update-in-backward above.
-RANK42=(--backbone-orthogonal-scale width --expert-orthogonal-scale width
-        --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16)
-plan skewadam-rank42-bf16 "${A100[@]}" "${RANK42[@]}"
-plan skewadam-rank42-bf16-update-in-backward "${A100[@]}" "${RANK42[@]}" --update-in-backward
-plan moe-47b-h200-skewadam-rank42-bf16-update-in-backward "${H200[@]}" "${RANK42[@]}" \
-  --update-in-backward
+candidate() {  # candidate TAG ARGS...: the three steps above for a candidate's flags
+  local tag=$1; shift
+  plan "skewadam-$tag" "${A100[@]}" "$@"
+  plan "skewadam-$tag-update-in-backward" "${A100[@]}" "$@" --update-in-backward
+  plan "moe-47b-h200-skewadam-$tag-update-in-backward" "${H200[@]}" "$@" --update-in-backward
+}
+candidate rank42-bf16 --backbone-orthogonal-scale width --expert-orthogonal-scale width \
+  --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16
 # #42's rank 84 in int8 (muon_gap.sh's muon-scale-rank-84-int8-warmup-640: the same bytes
 # at moe-6.78b as rank 42 in bfloat16, twice the rank), planned before any rule weighs it:
 # the same steps as the rank-42 rows above.
-RANK84_INT8=(--backbone-orthogonal-scale width --expert-orthogonal-scale width
-             --expert-lowrank-rank 84 --expert-lowrank-dtype int8)
-plan skewadam-rank84-int8 "${A100[@]}" "${RANK84_INT8[@]}"
-plan skewadam-rank84-int8-update-in-backward "${A100[@]}" "${RANK84_INT8[@]}" --update-in-backward
-plan moe-47b-h200-skewadam-rank84-int8-update-in-backward "${H200[@]}" "${RANK84_INT8[@]}" \
-  --update-in-backward
+candidate rank84-int8 --backbone-orthogonal-scale width --expert-orthogonal-scale width \
+  --expert-lowrank-rank 84 --expert-lowrank-dtype int8
 # The default before #42 moved it (rank-16 float32 expert factors, Adam's update RMS), the
 # rows above that are the default's, kept for the pages that set the two side by side.
 plan skewadam-expert-lowrank16 "${A100[@]}" "${RANK16[@]}"

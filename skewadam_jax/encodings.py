@@ -448,7 +448,7 @@ class LowRankEncoding(MomentumEncoding):
   def _matrix_q_t(self, parts, axes):
     """The stored ``Qᵀ`` as float32 ``[..., r, C]`` (int8 codes times their row steps)."""
     q_t = _MatrixView.of(parts["mu_col"].shape, axes).to_matrix(parts["mu_col"].astype(jnp.float32))
-    if "mu_scale" in parts and jnp.dtype(self.dtype) == jnp.int8:
+    if jnp.dtype(self.dtype) == jnp.int8:
       q_t = q_t * _MatrixView.of(parts["mu_scale"].shape, axes).to_matrix(parts["mu_scale"])
     return q_t
 
