@@ -179,6 +179,7 @@
 # improves moves the point, and the coordinates after it are registered again at the new
 # point, so the queue stops at a move (each result read before the next row starts):
 #   muon-scale-rank-84-int8-warmup-640-lr-0.0075, muon-scale-rank-84-int8-warmup-640-lr-0.03
+#   (57.92 and 59.91 against 57.43: worse both ways, so the rate stays 1.5e-2)
 #   muon-scale-rank-84-int8-warmup-320
 #   muon-scale-rank-84-int8-warmup-640-b1-0.95, muon-scale-rank-84-int8-warmup-640-b1-0.85
 #   muon-scale-rank-84-int8-warmup-640-wd-0.1, muon-scale-rank-84-int8-warmup-640-wd-0.4
