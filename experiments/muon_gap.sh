@@ -181,6 +181,12 @@
 #   muon-scale-rank-84-int8-warmup-640-lr-0.0075, muon-scale-rank-84-int8-warmup-640-lr-0.03
 #   (57.92 and 59.91 against 57.43: worse both ways, so the rate stays 1.5e-2)
 #   muon-scale-rank-84-int8-warmup-320
+#   (56.53 against 640's 57.43: the edge improves, so the coordinate goes one step further,
+#   to the contenders' next warmup, and on while an edge improves (60, then 30); the point
+#   moves to the best of them, and the coordinates after it are run there, decided before
+#   any ran: b1 (0.95, 0.85), then the weight decay (0.1, 0.4), then seeds 1 and 2 at
+#   the point; the rows below at 640 are not run)
+#   muon-scale-rank-84-int8-warmup-160
 #   muon-scale-rank-84-int8-warmup-640-b1-0.95, muon-scale-rank-84-int8-warmup-640-b1-0.85
 #   muon-scale-rank-84-int8-warmup-640-wd-0.1, muon-scale-rank-84-int8-warmup-640-wd-0.4
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
@@ -244,6 +250,7 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-640-lr-0.0075]="$RANK84_INT8 --warmup-steps 640 --lr 0.0075"
   [muon-scale-rank-84-int8-warmup-640-lr-0.03]="$RANK84_INT8 --warmup-steps 640 --lr 0.03"
   [muon-scale-rank-84-int8-warmup-320]="$RANK84_INT8 --warmup-steps 320"
+  [muon-scale-rank-84-int8-warmup-160]="$RANK84_INT8 --warmup-steps 160"
   [muon-scale-rank-84-int8-warmup-640-b1-0.95]="$RANK84_INT8 --warmup-steps 640 --b1 0.95"
   [muon-scale-rank-84-int8-warmup-640-b1-0.85]="$RANK84_INT8 --warmup-steps 640 --b1 0.85"
   [muon-scale-rank-84-int8-warmup-640-wd-0.1]="$RANK84_INT8 --warmup-steps 640 --weight-decay 0.1"
