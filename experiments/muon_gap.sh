@@ -185,10 +185,10 @@
 #   to the contenders' next warmup, and on while an edge improves (60, then 30); the point
 #   moves to the best of them, and the coordinates after it are run there, decided before
 #   any ran: b1 (0.95, 0.85), then the weight decay (0.1, 0.4), then seeds 1 and 2 at
-#   the point; the rows below at 640 are not run)
-#   muon-scale-rank-84-int8-warmup-160
-#   muon-scale-rank-84-int8-warmup-640-b1-0.95, muon-scale-rank-84-int8-warmup-640-b1-0.85
-#   muon-scale-rank-84-int8-warmup-640-wd-0.1, muon-scale-rank-84-int8-warmup-640-wd-0.4
+#   the point; b1 and the weight decay at 640 are not run)
+#   muon-scale-rank-84-int8-warmup-160 (then muon-scale-rank-84-int8-warmup-60, -30 while
+#   an edge improves); at the point W the warmup ends on, muon-scale-rank-84-int8-warmup-W
+#   with -b1-0.95, -b1-0.85, -wd-0.1, -wd-0.4, then -seed1, -seed2
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -251,10 +251,16 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-640-lr-0.03]="$RANK84_INT8 --warmup-steps 640 --lr 0.03"
   [muon-scale-rank-84-int8-warmup-320]="$RANK84_INT8 --warmup-steps 320"
   [muon-scale-rank-84-int8-warmup-160]="$RANK84_INT8 --warmup-steps 160"
-  [muon-scale-rank-84-int8-warmup-640-b1-0.95]="$RANK84_INT8 --warmup-steps 640 --b1 0.95"
-  [muon-scale-rank-84-int8-warmup-640-b1-0.85]="$RANK84_INT8 --warmup-steps 640 --b1 0.85"
-  [muon-scale-rank-84-int8-warmup-640-wd-0.1]="$RANK84_INT8 --warmup-steps 640 --weight-decay 0.1"
-  [muon-scale-rank-84-int8-warmup-640-wd-0.4]="$RANK84_INT8 --warmup-steps 640 --weight-decay 0.4"
+  [muon-scale-rank-84-int8-warmup-60]="$RANK84_INT8 --warmup-steps 60"
+  [muon-scale-rank-84-int8-warmup-30]="$RANK84_INT8 --warmup-steps 30"
+  [muon-scale-rank-84-int8-warmup-320-b1-0.95]="$RANK84_INT8 --warmup-steps 320 --b1 0.95"
+  [muon-scale-rank-84-int8-warmup-320-b1-0.85]="$RANK84_INT8 --warmup-steps 320 --b1 0.85"
+  [muon-scale-rank-84-int8-warmup-320-wd-0.1]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.1"
+  [muon-scale-rank-84-int8-warmup-320-wd-0.4]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.4"
+  [muon-scale-rank-84-int8-warmup-160-b1-0.95]="$RANK84_INT8 --warmup-steps 160 --b1 0.95"
+  [muon-scale-rank-84-int8-warmup-160-b1-0.85]="$RANK84_INT8 --warmup-steps 160 --b1 0.85"
+  [muon-scale-rank-84-int8-warmup-160-wd-0.1]="$RANK84_INT8 --warmup-steps 160 --weight-decay 0.1"
+  [muon-scale-rank-84-int8-warmup-160-wd-0.4]="$RANK84_INT8 --warmup-steps 160 --weight-decay 0.4"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do
