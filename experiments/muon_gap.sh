@@ -190,7 +190,7 @@
 #   an edge improves); at the point W the warmup ends on, muon-scale-rank-84-int8-warmup-W
 #   with -b1-0.95, -b1-0.85, -wd-0.1, -wd-0.4, then -seed1, -seed2
 #   (160: 57.46 against 320's 56.53, worse, so the warmup ends on 320: the rows at 320
-#   run next, in that order; b1 0.95: 58.53, worse)
+#   run next, in that order; b1 0.95: 58.53 and 0.85: 57.13, worse both ways, so b1 stays 0.9)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were

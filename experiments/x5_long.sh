@@ -24,7 +24,9 @@
 # reported whatever it gives: rank84-int8 (rank 84 is a third of small-x5's 256 expert
 # rows, as rank 42 is of small's 128; 55.85, against rank42-bf16's 55.66 and Muon's 55.34);
 # its seed 1, rank84-int8-seed1, decided while seed 0 ran (the issue asks for two seeds at
-# this scale) and reported whatever it gives. A row is CONTENDER
+# this scale), lost with a session's machine at about step 600 and withdrawn (2026-12-06)
+# rather than run again: the contenders' procedure then moved the int8 row's warmup on
+# small to 320 (muon_gap.sh), so 640 is no longer its tuned point. A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
