@@ -253,16 +253,10 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-640-lr-0.03]="$RANK84_INT8 --warmup-steps 640 --lr 0.03"
   [muon-scale-rank-84-int8-warmup-320]="$RANK84_INT8 --warmup-steps 320"
   [muon-scale-rank-84-int8-warmup-160]="$RANK84_INT8 --warmup-steps 160"
-  [muon-scale-rank-84-int8-warmup-60]="$RANK84_INT8 --warmup-steps 60"
-  [muon-scale-rank-84-int8-warmup-30]="$RANK84_INT8 --warmup-steps 30"
   [muon-scale-rank-84-int8-warmup-320-b1-0.95]="$RANK84_INT8 --warmup-steps 320 --b1 0.95"
   [muon-scale-rank-84-int8-warmup-320-b1-0.85]="$RANK84_INT8 --warmup-steps 320 --b1 0.85"
   [muon-scale-rank-84-int8-warmup-320-wd-0.1]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.1"
   [muon-scale-rank-84-int8-warmup-320-wd-0.4]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.4"
-  [muon-scale-rank-84-int8-warmup-160-b1-0.95]="$RANK84_INT8 --warmup-steps 160 --b1 0.95"
-  [muon-scale-rank-84-int8-warmup-160-b1-0.85]="$RANK84_INT8 --warmup-steps 160 --b1 0.85"
-  [muon-scale-rank-84-int8-warmup-160-wd-0.1]="$RANK84_INT8 --warmup-steps 160 --weight-decay 0.1"
-  [muon-scale-rank-84-int8-warmup-160-wd-0.4]="$RANK84_INT8 --warmup-steps 160 --weight-decay 0.4"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do
