@@ -191,6 +191,10 @@
 #   with -b1-0.95, -b1-0.85, -wd-0.1, -wd-0.4, then -seed1, -seed2
 #   (160: 57.46 against 320's 56.53, worse, so the warmup ends on 320: the rows at 320
 #   run next, in that order; b1 0.95: 58.53 and 0.85: 57.13, worse both ways, so b1 stays 0.9)
+#   then the weight decay's edges one step further while an edge improves (registered
+#   2026-12-06, before either weight decay's row finished): -wd-0.05 if 0.1 beats 56.53 and
+#   0.4, -wd-0.8 if 0.4 beats 56.53 and 0.1; the point moves to the best of them and its
+#   seeds 1 and 2 run there (POINT-seed1, -seed2); if neither improves, -seed1, -seed2 at 320
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -257,6 +261,8 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-320-b1-0.85]="$RANK84_INT8 --warmup-steps 320 --b1 0.85"
   [muon-scale-rank-84-int8-warmup-320-wd-0.1]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.1"
   [muon-scale-rank-84-int8-warmup-320-wd-0.4]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.4"
+  [muon-scale-rank-84-int8-warmup-320-wd-0.05]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.05"
+  [muon-scale-rank-84-int8-warmup-320-wd-0.8]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.8"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do
