@@ -195,6 +195,8 @@
 #   2026-12-06, before either weight decay's row finished): -wd-0.05 if 0.1 beats 56.53 and
 #   0.4, -wd-0.8 if 0.4 beats 56.53 and 0.1; the point moves to the best of them and its
 #   seeds 1 and 2 run there (POINT-seed1, -seed2); if neither improves, -seed1, -seed2 at 320
+#   (0.1: 58.28 and 0.4: 59.07, worse both ways, so the weight decay stays 0.2 and the
+#   procedure ends on warmup 320: its seeds 1 and 2 run next)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
