@@ -197,6 +197,10 @@
 #   seeds 1 and 2 run there (POINT-seed1, -seed2); if neither improves, -seed1, -seed2 at 320
 #   (0.1: 58.28 and 0.4: 59.07, worse both ways, so the weight decay stays 0.2 and the
 #   procedure ends on warmup 320: its seeds 1 and 2 run next)
+#   muon-scale-rank-84-int8-warmup-320-seed1, muon-scale-rank-84-int8-warmup-320-seed2
+#   (56.22 and 56.35: over seeds 0 to 2 56.37 +- 0.16, 1.08 below Muon's tuned
+#   57.45 +- 0.26 and ahead of it at each seed; the rule would now pick it as the
+#   default, a switch that re-measures the default's figures: quality page)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
