@@ -196,7 +196,7 @@
 #   0.4, -wd-0.8 if 0.4 beats 56.53 and 0.1; the point moves to the best of them and its
 #   seeds 1 and 2 run there (POINT-seed1, -seed2); if neither improves, -seed1, -seed2 at 320
 #   (0.1: 58.28 and 0.4: 59.07, worse both ways, so the weight decay stays 0.2 and the
-#   procedure ends on warmup 320: its seeds 1 and 2 run next)
+#   procedure ends on warmup 320, -wd-0.05 and -wd-0.8 are not run: its seeds 1 and 2 run next)
 #   muon-scale-rank-84-int8-warmup-320-seed1, muon-scale-rank-84-int8-warmup-320-seed2
 #   (56.22 and 56.35: over seeds 0 to 2 56.37 +- 0.16, 1.08 below Muon's tuned
 #   57.45 +- 0.26 and ahead of it at each seed; the rule would now pick it as the
@@ -267,8 +267,6 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-320-b1-0.85]="$RANK84_INT8 --warmup-steps 320 --b1 0.85"
   [muon-scale-rank-84-int8-warmup-320-wd-0.1]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.1"
   [muon-scale-rank-84-int8-warmup-320-wd-0.4]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.4"
-  [muon-scale-rank-84-int8-warmup-320-wd-0.05]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.05"
-  [muon-scale-rank-84-int8-warmup-320-wd-0.8]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.8"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do

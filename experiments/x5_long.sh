@@ -45,6 +45,8 @@ BASE=("${LONG_RUN[@]}" --config experiments/configs/small-x5.toml --no-progress
       --ckpt-every 100 --resume)
 # muon_gap.sh's rank-42 bfloat16 candidate, each row at its own warmup
 RANK42_BF16="--optimizer skewadam --lr 0.015 --expert-momentum lowrank --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16 --weight-decay 0.2 --backbone-orthogonal-scale width --expert-orthogonal-scale width"
+# the same bytes at moe-6.78b in int8 codes: twice the rank (muon_gap.sh)
+RANK84_INT8="$RANK42_BF16 --expert-lowrank-rank 84 --expert-lowrank-dtype int8"
 declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md, tune-more.md)
   [lowrank]="--optimizer skewadam --lr 0.0135 $RANK16_DEFAULT --expert-momentum lowrank --warmup-steps 160"
   [muon]="--optimizer muon --lr 0.015 --warmup-steps 160 --weight-decay 0.2"
@@ -55,10 +57,9 @@ declare -A FLAGS=(  # each contender at its tuned point on small (tune-warmup.md
   # muon_gap.sh's rank-42 bfloat16 candidate at its tuned point on small (quality page)
   [rank42-bf16]="$RANK42_BF16 --warmup-steps 640"
   [rank42-bf16-warmup-160]="$RANK42_BF16 --warmup-steps 160"
-  # the same bytes at moe-6.78b in int8 codes: twice the rank (muon_gap.sh)
-  [rank84-int8]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 84 --expert-lowrank-dtype int8"
+  [rank84-int8]="$RANK84_INT8 --warmup-steps 640"
   # ... at the point the contenders' procedure ended on for it on small
-  [rank84-int8-warmup-320]="$RANK42_BF16 --warmup-steps 320 --expert-lowrank-rank 84 --expert-lowrank-dtype int8"
+  [rank84-int8-warmup-320]="$RANK84_INT8 --warmup-steps 320"
 )
 for row in ${ROWS-}; do
   if ! finished "$RUNS/$row"; then

@@ -93,6 +93,7 @@ def test_the_figures_at_a_glance_are_the_results_files():
   more = lambda name: [val_ppl(f"finalists-runs/{d.name}") for d in sorted(  # noqa: E731
       (RESULTS / "finalists-runs").glob(f"{name}-seed*")) if (d / "summary.json").exists()]
   ppl_text = lambda xs: f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}"  # noqa: E731
+  by_seed = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
   # The default's row: #42's candidate at the procedure's tuned point (muon_gap.sh),
   # the training command's default, priced as the planner prices the default's step.
   default = json.loads((RESULTS / "muon-gap.json").read_text())[0]
@@ -176,8 +177,7 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert all(i < m for i, m in zip(int8, tuned_muon))
   assert (f"where seeds 0 to 2 give **{ppl_text(int8)}, {below:.2f} below Muon's tuned "
           f"{ppl_text(tuned_muon)}: below Muon by more than the larger spread, and ahead of it "
-          f"at each seed ({', '.join(f'{v:.2f}' for v in int8)} against "
-          f"{', '.join(f'{v:.2f}' for v in tuned_muon)})") in text
+          f"at each seed ({by_seed(int8)} against {by_seed(tuned_muon)})") in text
   assert within_noise(tuned, tuned_muon) and all(t > m for t, m in zip(tuned, tuned_muon))
   tuned_five = tuned + [val_ppl(f"muon-gap-runs/muon-scale-rank-42-bf16-warmup-640-seed{s}")
                         for s in (3, 4)]
