@@ -286,29 +286,36 @@ finished=$(finished_runs "$RUNS"/*/)
   fi
   seed_means "$RUNS"
 } > experiments/results/muon-gap.md
-# The candidate at the procedure's tuned point (rate 1.5e-2, warmup 640, b1 0.9, weight
-# decay 0.2; seeds 0 to 2) as a comparison row (experiments.compare's form), so the
-# rule (comparison.choose_default) can weigh it and compare --quick can read its rate
-# (comparison.TUNED_RATES): it is the training command's default since the rule chose
-# it. Rewrites the committed experiments/results/muon-gap.json.
+# The two candidates at the points the procedure ended on (rate 1.5e-2, b1 0.9, weight
+# decay 0.2; rank 42 in bfloat16 at warmup 640, rank 84 in int8 at warmup 320; seeds 0
+# to 2) as comparison rows (experiments.compare's form), so the rule
+# (comparison.choose_default) can weigh them and compare --quick can read their rate
+# (comparison.TUNED_RATES): the rule chose rank 42 in bfloat16 first, then rank 84 in
+# int8, the training command's default since. Rewrites the committed
+# experiments/results/muon-gap.json.
 "$PYTHON" - <<'PY'
 import json, pathlib, statistics
 from experiments.studies import comparison, sweeps
 from experiments.training import config as config_lib
 runs = pathlib.Path("experiments/results/muon-gap-runs")
-point = "muon-scale-rank-42-bf16-warmup-640"
-summaries = [json.loads((runs / d / "summary.json").read_text())
-             for d in (point, f"{point}-seed1", f"{point}-seed2")]
-saved = config_lib.TrainConfig(**config_lib.with_defaults(summaries[0]["config"]))
-ppl = [s["val_ppl"] for s in summaries]
-row = {"name": "rank42-bf16", "optimizer": "skewadam", "lr": saved.lr,
-       "warmup_steps": saved.warmup_steps, "seeds": [s["config"]["seed"] for s in summaries],
-       "config": sweeps.resolve_entry("skewadam", {
-           "expert_m": saved.expert_momentum, "expert_rank": saved.expert_lowrank_rank,
-           "expert_dtype": saved.expert_lowrank_dtype,
-           "backbone_scale": saved.backbone_orthogonal_scale,
-           "expert_scale": saved.expert_orthogonal_scale, "wd": saved.weight_decay}),
-       "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl), "val_ppl_std": statistics.stdev(ppl)}
-row["opt_state_bytes_6p78b"] = comparison.state_bytes_6p78b("skewadam", comparison.row_tiers(row))
-pathlib.Path("experiments/results/muon-gap.json").write_text(json.dumps([row], indent=1) + "\n")
+rows = []
+for name, point in (("rank42-bf16", "muon-scale-rank-42-bf16-warmup-640"),
+                    ("rank84-int8", "muon-scale-rank-84-int8-warmup-320")):
+  summaries = [json.loads((runs / d / "summary.json").read_text())
+               for d in (point, f"{point}-seed1", f"{point}-seed2")]
+  saved = config_lib.TrainConfig(**config_lib.with_defaults(summaries[0]["config"]))
+  ppl = [s["val_ppl"] for s in summaries]
+  row = {"name": name, "optimizer": "skewadam", "lr": saved.lr,
+         "warmup_steps": saved.warmup_steps, "seeds": [s["config"]["seed"] for s in summaries],
+         "config": sweeps.resolve_entry("skewadam", {
+             "expert_m": saved.expert_momentum, "expert_rank": saved.expert_lowrank_rank,
+             "expert_dtype": saved.expert_lowrank_dtype,
+             "backbone_scale": saved.backbone_orthogonal_scale,
+             "expert_scale": saved.expert_orthogonal_scale, "wd": saved.weight_decay}),
+         "val_ppl": ppl, "val_ppl_mean": statistics.mean(ppl),
+         "val_ppl_std": statistics.stdev(ppl)}
+  row["opt_state_bytes_6p78b"] = comparison.state_bytes_6p78b("skewadam",
+                                                              comparison.row_tiers(row))
+  rows.append(row)
+pathlib.Path("experiments/results/muon-gap.json").write_text(json.dumps(rows, indent=1) + "\n")
 PY

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The memory planner's figures of the training command's default (the orthogonal tiers
-# with rank-42 bfloat16 expert momentum and Muon's width scaling since #42, Newton–Schulz in
+# with rank-84 int8 expert momentum and Muon's width scaling since #42, Newton–Schulz in
 # chunks: TierConfig.orthogonal_chunk="auto"),
 # re-planned whenever the default's step changes. Deviceless compiles on this CPU machine; the GPU rows need the
 # gpu-compile extra, the TPU rows the tpu-compile extra. About an hour on 2 cores.

@@ -42,11 +42,12 @@ EMBEDDING_PATTERNS = (
 ORTHOGONAL_TIER_SETTINGS = types.MappingProxyType({
     # Muon's width scaling (orthogonal.width_scale), so Muon's rates carry over
     "backbone": types.MappingProxyType({"orthogonal_scale": "width"}),
-    # a rank-42 factorisation of each expert matrix's momentum in bfloat16
-    # (encodings.LowRankEncoding, stochastically rounded) in place of
-    # DEFAULT_EXPERT's packed signs: the most rank moe-6.78b's 1.29 GB holds
-    "expert": types.MappingProxyType({"momentum": "lowrank", "lowrank_rank": 42,
-                                      "lowrank_dtype": "bfloat16",
+    # a rank-84 factorisation of each expert matrix's momentum in int8 codes
+    # (encodings.LowRankEncoding: a float32 scale per row, stochastically rounded)
+    # in place of DEFAULT_EXPERT's packed signs: the most rank moe-6.78b's 1.29 GB
+    # holds, twice bfloat16's at the same bytes, and the better of the two at 1600 steps
+    "expert": types.MappingProxyType({"momentum": "lowrank", "lowrank_rank": 84,
+                                      "lowrank_dtype": "int8",
                                       "orthogonal_scale": "width"}),
 })
 """The settings :func:`skewadam_orthogonal` gives each tier beyond its direction.
@@ -147,7 +148,7 @@ def skewadam_orthogonal(
 
   Each declared matrix of the backbone and expert tiers (embeddings and the
   unembedding excepted) stores its momentum in its tier's encoding (bf16 in
-  the backbone; in the expert bank rank-42 bfloat16 factors ``P·Qᵀ`` of each
+  the backbone; in the expert bank rank-84 int8 factors ``P·Qᵀ`` of each
   expert matrix, :data:`ORTHOGONAL_TIER_SETTINGS`) and steps along the
   orthogonal factor of its Nesterov momentum with Muon's width scaling::
 
@@ -161,17 +162,19 @@ def skewadam_orthogonal(
   the router) keeps :func:`skewadam`'s Adam step in its tier. The result is
   ``skewadam(..., backbone={"direction": direction, "orthogonal_scale":
   "width"}, expert={"direction": direction, "momentum": "lowrank",
-  "lowrank_rank": 42, "lowrank_dtype": "bfloat16", "orthogonal_scale":
+  "lowrank_rank": 84, "lowrank_dtype": "int8", "orthogonal_scale":
   "width"}, orthogonal_mask=<not an embedding>)``.
   The expert momentum's ``P_t`` follows the momentum's leading left singular
   vectors over the steps (one warm-started subspace iteration a step,
-  :class:`~skewadam_jax.encodings.LowRankEncoding`), stored stochastically
-  rounded: ``2·42·(R + C)`` bytes an ``R × C`` expert matrix, the most the
-  1.29 GB budget holds at ``moe-6.78b`` (1.287 GB of state). The comparison's
-  rule chose it over rank-16 float32 factors with Adam's update RMS (the
-  default before 0.3.0): validation perplexity 57.66 ± 0.28 against
-  58.59 ± 0.59 (``small``, 1600 steps, 3 seeds, each tuned by the same
-  procedure; Muon 57.45 ± 0.26), docs/results/quality.md.
+  :class:`~skewadam_jax.encodings.LowRankEncoding`), stored in int8 codes
+  (a float32 step per column of ``P``, moved into ``Qᵀ``'s rows),
+  stochastically rounded: ``84·(R + C) + 4·84`` bytes an ``R × C`` expert
+  matrix, the most rank the 1.29 GB budget holds at ``moe-6.78b`` (1.289 GB
+  of state). The comparison's rule chose it over rank-42 bfloat16 factors at
+  the same bytes and rank-16 float32 factors with Adam's update RMS (the
+  default before 0.3.0): validation perplexity 56.37 ± 0.16 against
+  57.66 ± 0.28 and 58.59 ± 0.59 (``small``, 1600 steps, 3 seeds, each tuned
+  by the same procedure; Muon 57.45 ± 0.26), docs/results/quality.md.
   ``expert={"momentum": "sign"}`` keeps packed signs;
   ``{"orthogonal_scale": "adam_rms"}`` in a tier scales the update to Adam's
   RMS (``0.2·√max(r, c)``), so Adam's rates carry over.

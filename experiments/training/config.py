@@ -57,6 +57,7 @@ _ENCODINGS = tuple(skewadam_jax.ENCODINGS)
 _FORMS = ("exact", "factored")
 _DIRECTIONS = skewadam_jax.DIRECTIONS
 _ORTHOGONAL_SCALES = skewadam_jax.orthogonal.SCALES
+_ORTHOGONAL_EXPERT = skewadam_jax.ORTHOGONAL_TIER_SETTINGS["expert"]  # the help texts name it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,25 +156,28 @@ class TrainConfig:
                                        "(default: the preset's, else JAX chooses)",
                                        structural=True, choices=("xla", "cudnn"), kind=str)
   # None follows the expert tier's direction (direction_default): the
-  # orthogonal ones take skewadam_orthogonal's factors (rank 42 in bfloat16
-  # since #42, rank 16 in float32 before), which the comparison's rule chose
+  # orthogonal ones take skewadam_orthogonal's factors (rank 84 in int8 since
+  # #42's last row, rank 42 in bfloat16 before it, rank 16 in float32 before
+  # #42), which the comparison's rule chose
   # over packed signs (docs/results/quality.md); Adam's keeps the library's
   # signs. Runs save the value it resolved to (as_dict), so a saved None is from
   # before that rule: the library's sign. The same holds for the rank, dtype
   # and update scales below: a saved None is the library's.
   expert_momentum: str | None = setting(
-      None, "SkewAdam expert-tier momentum encoding (default: lowrank, rank-42 bfloat16 "
+      None, "SkewAdam expert-tier momentum encoding (default: lowrank, "
+      f"rank-{_ORTHOGONAL_EXPERT['lowrank_rank']} {_ORTHOGONAL_EXPERT['lowrank_dtype']} "
       "factors, with an orthogonal expert direction, as skewadam_jax.skewadam_orthogonal(); the "
       "library's sign with --expert-direction adam, as skewadam_jax.skewadam())",
       structural=True, choices=_ENCODINGS, kind=str, before="sign", saved_none="sign")
   expert_lowrank_rank: int | None = setting(
       None, "with --expert-momentum lowrank: the rank of each expert matrix's momentum "
-      "factors (default: 42 with an orthogonal expert direction, as "
+      f"factors (default: {_ORTHOGONAL_EXPERT['lowrank_rank']} with an orthogonal expert "
+      "direction, as "
       "skewadam_jax.skewadam_orthogonal(); else the library's, 16)", structural=True, kind=int)
   expert_lowrank_dtype: str | None = setting(
       None, "with --expert-momentum lowrank: the factors' storage dtype (bfloat16: half "
       "the bytes, so twice the rank at the same state; int8: a quarter, plus a float32 "
-      "scale per rank a matrix; default: bfloat16 with an orthogonal "
+      f"scale per rank a matrix; default: {_ORTHOGONAL_EXPERT['lowrank_dtype']} with an orthogonal "
       "expert direction, as skewadam_jax.skewadam_orthogonal(); else the library's, float32)",
       structural=True, choices=skewadam_jax.encodings.LOWRANK_DTYPES, kind=str)
   expert_lowrank_complement: float | None = setting(

@@ -201,11 +201,15 @@ def test_the_training_commands_default_is_the_long_comparisons_choice():
   rank16 = comparison.choose_default(rows, reports=reports)
   assert rank16 is not None and rank16["name"] == "lowrank-16"
   assert rank16["val_ppl_mean"] + rank16["val_ppl_std"] < safe_signs[0]["val_ppl_mean"]
-  # ... and with #42's tuned candidate beside them, the candidate: the default.
-  candidate = json.loads(RESULTS.with_name("muon-gap.json").read_text())
-  choice = comparison.choose_default(rows + candidate, reports=reports)
-  assert choice is not None and choice["config"] == sweeps.default_config()
-  assert choice["val_ppl_mean"] + choice["val_ppl_std"] < rank16["val_ppl_mean"]
+  # ... with #42's first tuned candidate beside them, that one (rank 42 in bfloat16) ...
+  rank42, rank84 = json.loads(RESULTS.with_name("muon-gap.json").read_text())
+  assert (rank42["name"], rank84["name"]) == ("rank42-bf16", "rank84-int8")
+  first = comparison.choose_default(rows + [rank42], reports=reports)
+  assert first is rank42 and first["val_ppl_mean"] + first["val_ppl_std"] < rank16["val_ppl_mean"]
+  # ... and with its second, rank 84 in int8 at the same bytes: the default.
+  choice = comparison.choose_default(rows + [rank42, rank84], reports=reports)
+  assert choice is rank84 and choice["config"] == sweeps.default_config()
+  assert choice["val_ppl_mean"] + choice["val_ppl_std"] < rank42["val_ppl_mean"]
   assert optimizers.default_lr("skewadam", comparison.row_tiers(choice)) == pytest.approx(choice["lr"])
   assert optimizers.default_lr("skewadam", comparison.row_tiers(rank16)) == pytest.approx(rank16["lr"])
 
@@ -300,8 +304,8 @@ def test_the_expert_factors_dtype_names_a_row_only_when_not_float32():
 def test_a_comparison_row_keeps_the_library_tiers_it_names_after_the_alias_moved():
   # The default row follows the alias, and trains what the training command's default does.
   default = sweeps.default_config()
-  assert (default["expert_rank"], default["backbone_scale"], default["expert_scale"],
-          default["wd"]) == (42, "width", "width", 0.2)
+  assert (default["expert_rank"], default["expert_dtype"], default["backbone_scale"],
+          default["expert_scale"], default["wd"]) == (84, "int8", "width", "width", 0.2)
   assert comparison._full_tiers(comparison.row_tiers({"config": default})) == (
       comparison._full_tiers(TrainConfig().skewadam_tiers()))
   assert TrainConfig(**sweeps.train_overrides(default)).resolved_weight_decay == 0.2

@@ -100,7 +100,7 @@ def test_command_prints_one_json_object(capsys, tmp_path):
   assert memory.main(["--table", str(tmp_path / "r.json")]) == 0
   table = capsys.readouterr().out.strip().splitlines()
   assert len(table) == 3 and table[2].startswith(
-      "| skewadam | expert: lowrank/42/bfloat16/orthogonal/width, backbone: orthogonal/width |")
+      "| skewadam | expert: lowrank/84/int8/orthogonal/width, backbone: orthogonal/width |")
 
 
 def test_bad_arguments_fail_with_one_line(capsys):
@@ -177,12 +177,12 @@ def test_tier_flags_become_skewadam_tier_configs():
       "expert": {"momentum": "int8", **width},
       "backbone": {"momentum": "fp32", "second_moment": "exact", **width}}
   # The training command's default direction is the orthogonal one, with
-  # skewadam_orthogonal's settings (rank-42 bfloat16 expert momentum, width
+  # skewadam_orthogonal's settings (rank-84 int8 expert momentum, width
   # scaling); Adam's direction, the library's, is left out of the tiers.
   args = memory.build_parser().parse_args(["--backbone-direction", "adam"])
   assert config_lib.tiers_from_args(args) == {"expert": {
-      "direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 42,
-      "lowrank_dtype": "bfloat16", "orthogonal_scale": "width"}}
+      "direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 84,
+      "lowrank_dtype": "int8", "orthogonal_scale": "width"}}
 
 
 # --------------------------------------------------------------------------

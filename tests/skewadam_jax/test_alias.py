@@ -37,8 +37,8 @@ def test_it_is_skewadam_with_both_matrix_tiers_orthogonal_and_embeddings_on_adam
   explicit = sa.skewadam(
       1e-2, b1=0.9, b2=0.95, weight_decay=0.2, max_grad_norm=1.0, param_labels=labels,
       backbone={"direction": "orthogonal", "orthogonal_scale": "width"},
-      expert={"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 42,
-              "lowrank_dtype": "bfloat16", "orthogonal_scale": "width"},
+      expert={"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 84,
+              "lowrank_dtype": "int8", "orthogonal_scale": "width"},
       orthogonal_mask={k: k not in ("model.embed_tokens.weight", "lm_head.weight")
                        for k in params})
   alias = sa.skewadam_orthogonal(1e-2, param_labels=labels)
@@ -50,11 +50,13 @@ def test_it_is_skewadam_with_both_matrix_tiers_orthogonal_and_embeddings_on_adam
     for name in params:
       np.testing.assert_array_equal(u_alias[name], u_explicit[name], err_msg=name)
   assert jax.tree.structure(s_alias) == jax.tree.structure(s_explicit)
-  # The expert tier stores bfloat16 factors, not packed signs, unless told.
+  # The expert tier stores int8 factors with a float32 step per row of Qᵀ, not
+  # packed signs, unless told.
   w1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
-  # rank min(42, 8, 12); off the CPU the state is stacked, with a group axis first
+  # rank min(84, 8, 12); off the CPU the state is stacked, with a group axis first
   factors = optax.tree.get(s_alias, "mu_row")[w1]
-  assert factors.shape[-2:] == (8, 8) and factors.dtype == jnp.bfloat16
+  assert factors.shape[-2:] == (8, 8) and factors.dtype == jnp.int8
+  assert optax.tree.get(s_alias, "mu_scale")[w1].dtype == jnp.float32
   signs = sa.skewadam_orthogonal(1e-2, param_labels=labels, expert={"momentum": "sign"})
   assert optax.tree.get(signs.init(params), "mu")[w1].dtype == jnp.uint8
 

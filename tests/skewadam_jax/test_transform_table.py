@@ -92,11 +92,12 @@ CONFIGS = [Config(m, s, d) for d in DTYPES for m in sa.ENCODINGS if m != "lowran
            for s in ("exact", "factored") if (m, s) != ("sign", "exact")] + [
     Config(None, None, d) for d in DTYPES]
 table = pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
-# skewadam_orthogonal's defaults (rank-42 bfloat16 expert momentum), for the sharding worker only.
+# skewadam_orthogonal's defaults (rank-84 int8 expert momentum: codes, and Qᵀ's row
+# steps), for the sharding worker only.
 ORTHOGONAL = {"id": "orthogonal-default", "alias": "orthogonal", "dtype": "float32"}
-# the same with the expert momentum's factors in int8 (codes, and Qᵀ's row steps)
-ORTHOGONAL_INT8 = {"id": "orthogonal-int8-factors", "alias": "orthogonal", "dtype": "float32",
-                   "expert": {"lowrank_dtype": "int8", "lowrank_rank": 2}}
+# the same with the expert momentum's factors in bfloat16 (the default before int8)
+ORTHOGONAL_BF16 = {"id": "orthogonal-bf16-factors", "alias": "orthogonal", "dtype": "float32",
+                   "expert": {"lowrank_dtype": "bfloat16", "lowrank_rank": 2}}
 
 # A backbone matrix and vector, a router, and a 3-D expert bank under "experts"
 # (labelled by the default labeller: moe/router -> router, moe/experts -> expert).
@@ -529,7 +530,7 @@ def _sharding_worker(request):
     yield None
     return
   proc = subprocess.Popen(
-      [sys.executable, str(WORKER), json.dumps([c.as_json() for c in CONFIGS] + [ORTHOGONAL, ORTHOGONAL_INT8])],
+      [sys.executable, str(WORKER), json.dumps([c.as_json() for c in CONFIGS] + [ORTHOGONAL, ORTHOGONAL_BF16])],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_subprocess.environment(devices=8), cwd=ROOT, text=True)
   yield proc
   if proc.poll() is None:
@@ -557,13 +558,14 @@ def test_explicit_sharding_types_are_stable(cfg, sharding_results):
 
 def test_explicit_sharding_types_are_stable_for_the_orthogonal_default(sharding_results):
   # Newton-Schulz and the lowrank expert momentum's QR on an expert bank sharded on its
-  # expert axis, a matrix sharded on its columns, a router on its rows.
+  # expert axis, a matrix sharded on its columns, a router on its rows; the int8 codes'
+  # hashed rounding under explicit axes, and Qᵀ's row steps.
   _assert_stable_types(sharding_results[ORTHOGONAL["id"]])
 
 
-def test_explicit_sharding_types_are_stable_for_int8_expert_factors(sharding_results):
-  # the int8 codes' hashed rounding under explicit axes, and Qᵀ's row steps
-  _assert_stable_types(sharding_results[ORTHOGONAL_INT8["id"]])
+def test_explicit_sharding_types_are_stable_for_bfloat16_expert_factors(sharding_results):
+  # the bfloat16 factors' stochastic rounding under explicit axes
+  _assert_stable_types(sharding_results[ORTHOGONAL_BF16["id"]])
 
 
 def _assert_stable_types(result):

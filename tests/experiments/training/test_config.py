@@ -195,7 +195,7 @@ def test_the_orthogonal_tiers_defaults_are_the_alias_settings():
   saved = default.as_dict()  # a run saves what its None resolved to
   assert (saved["expert_lowrank_rank"], saved["expert_lowrank_dtype"],
           saved["backbone_orthogonal_scale"], saved["expert_orthogonal_scale"]) == (
-              42, "bfloat16", "width", "width")
+              84, "int8", "width", "width")
   assert config_lib.resume_check(saved)({"config": saved}) is None
   # Adam's direction is the library's skewadam(): none of the alias's settings.
   adam = config_lib.TrainConfig(backbone_direction="adam", expert_direction="adam")
@@ -262,8 +262,8 @@ def test_runs_saved_before_the_orthogonal_default_keep_adams_direction():
   assert old.skewadam_tiers()["clip_threshold"] is None
   assert adam.skewadam_tiers() == {} and config_lib.TrainConfig().skewadam_tiers() == {
       "backbone": {"direction": "orthogonal", "orthogonal_scale": "width"},
-      "expert": {"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 42,
-                 "lowrank_dtype": "bfloat16", "orthogonal_scale": "width"}}
+      "expert": {"direction": "orthogonal", "momentum": "lowrank", "lowrank_rank": 84,
+                 "lowrank_dtype": "int8", "orthogonal_scale": "width"}}
   # Another optimizer does not read the tier fields: its old runs are the same runs.
   adamw = dataclasses.asdict(config_lib.TrainConfig(optimizer="adamw"))
   assert config_lib.resume_check(adamw)({"config": {**saved, "optimizer": "adamw"}}) is None

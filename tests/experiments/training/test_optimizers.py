@@ -82,7 +82,7 @@ def test_orthogonal_scale_and_rest_tier_are_training_settings():
   config.validate()
   tiers = config.skewadam_tiers()
   assert tiers["expert"] == {"direction": "orthogonal", "orthogonal_scale": "adam_rms",
-                            "momentum": "lowrank", "lowrank_rank": 42, "lowrank_dtype": "bfloat16"}
+                            "momentum": "lowrank", "lowrank_rank": 84, "lowrank_dtype": "int8"}
   assert tiers["backbone"]["orthogonal_scale"] == "width"  # the default, the alias's
   assert tiers[optimizers.REST_TIER] == "router"
   assert optimizers.REST_TIER not in optimizers.tier_configs(tiers)
