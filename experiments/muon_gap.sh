@@ -199,8 +199,8 @@
 #   procedure ends on warmup 320, -wd-0.05 and -wd-0.8 are not run: its seeds 1 and 2 run next)
 #   muon-scale-rank-84-int8-warmup-320-seed1, muon-scale-rank-84-int8-warmup-320-seed2
 #   (56.22 and 56.35: over seeds 0 to 2 56.37 +- 0.16, 1.08 below Muon's tuned
-#   57.45 +- 0.26 and ahead of it at each seed; the rule would now pick it as the
-#   default, a switch that re-measures the default's figures: quality page)
+#   57.45 +- 0.26 and ahead of it at each seed; the rule picks it, the default since:
+#   quality page)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were

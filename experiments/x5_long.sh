@@ -29,7 +29,8 @@
 # small to 320 (muon_gap.sh), so 640 is no longer its tuned point. Decided when the
 # procedure ended there (2026-12-06: warmup 320, rate 1.5e-2, b1 0.9, weight decay 0.2),
 # before its seeds 1 and 2 on small were in, and reported whatever they give: that point
-# here, seeds 0 and 1, rank84-int8-warmup-320 and rank84-int8-warmup-320-seed1. A row is CONTENDER
+# here, seeds 0 and 1, rank84-int8-warmup-320 and rank84-int8-warmup-320-seed1 (the
+# training command's default since the rule chose it on small, 2026-12-07). A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
