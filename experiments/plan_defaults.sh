@@ -88,10 +88,10 @@ DIR=$GPU plan moe-47b-h200-skewadam-library-update-in-backward --preset moe-47b 
 # The same step of skewadam() planned for the H100: Hopper's program, 80 GB.
 DIR=$GPU plan moe-6.78b-h100-skewadam-library --preset moe-6.78b --target h100-80gb --seq-len 2048 \
   --no-search --optimizer skewadam "${ADAM[@]}" --batch-size 1
-# #42's best row within 1.29 GB spelled out (muon_gap.sh's muon-scale-rank-42-bf16: rank-42
-# bfloat16 expert factors under Muon's width scaling), planned before the rule made it the
-# default: the same steps as skewadam, skewadam-update-in-backward and
-# moe-47b-h200-skewadam-orthogonal-update-in-backward above.
+# #42's first candidate spelled out (muon_gap.sh's muon-scale-rank-42-bf16: rank-42
+# bfloat16 expert factors under Muon's width scaling), the default from when the rule
+# chose it until rank 84 in int8 replaced it: the steps of skewadam,
+# skewadam-update-in-backward and moe-47b-h200-skewadam-orthogonal-update-in-backward above.
 candidate() {  # candidate TAG ARGS...: the three steps above for a candidate's flags
   local tag=$1; shift
   plan "skewadam-$tag" "${A100[@]}" "$@"
@@ -101,8 +101,10 @@ candidate() {  # candidate TAG ARGS...: the three steps above for a candidate's 
 candidate rank42-bf16 --backbone-orthogonal-scale width --expert-orthogonal-scale width \
   --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16
 # #42's rank 84 in int8 (muon_gap.sh's muon-scale-rank-84-int8-warmup-640: the same bytes
-# at moe-6.78b as rank 42 in bfloat16, twice the rank), planned before any rule weighs it:
-# the same steps as the rank-42 rows above.
+# at moe-6.78b as rank 42 in bfloat16, twice the rank), planned before any rule weighed it:
+# the same steps as the rank-42 rows above (the default's since the rule chose it, so the
+# same plans as skewadam, skewadam-update-in-backward and
+# moe-47b-h200-skewadam-orthogonal-update-in-backward).
 candidate rank84-int8 --backbone-orthogonal-scale width --expert-orthogonal-scale width \
   --expert-lowrank-rank 84 --expert-lowrank-dtype int8
 # The default before #42 moved it (rank-16 float32 expert factors, Adam's update RMS), the
