@@ -404,8 +404,11 @@ class LowRankEncoding(MomentumEncoding):
     ``stochastic`` and ``salt`` are given, else to nearest; ``x ≈ codes·step``.
     ``stream`` keeps the two factors' random draws apart.
     """
-    step = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
-    step = jnp.where(step > 0, step, 1.0)
+    if x.shape[axis] == 0:  # an empty leaf's factors have no absmax: any step codes them
+      step = jnp.ones(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], jnp.float32)
+    else:
+      step = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
+      step = jnp.where(step > 0, step, 1.0)
     scaled = x / step
     if self.stochastic and salt is not None:
       codes = jnp.floor(scaled + rounding.uniform_hashed(scaled, salt, stream))

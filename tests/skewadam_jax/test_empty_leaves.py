@@ -36,11 +36,17 @@ def two_steps(tx, params):
   return updates
 
 
+LOWRANK_DTYPES = {f"lowrank-{d}": {"momentum": "lowrank", "lowrank_dtype": d}
+                  for d in sa.encodings.LOWRANK_DTYPES}
+EXPERT_MOMENTA = {**{m: {"momentum": m} for m in ("fp32", "bf16", "int8", "sign", "none")},
+                  **LOWRANK_DTYPES}
+
+
 @pytest.mark.parametrize("direction", ["adam", "orthogonal"])
-@pytest.mark.parametrize("momentum", ["fp32", "bf16", "int8", "sign", "lowrank", "none"])
+@pytest.mark.parametrize("momentum", list(EXPERT_MOMENTA))
 def test_empty_leaves_step_to_empty_updates_and_leave_the_rest_as_without_them(
     direction, momentum):
-  tiers = {"expert": {"momentum": momentum, "direction": direction},
+  tiers = {"expert": {**EXPERT_MOMENTA[momentum], "direction": direction},
            "backbone": {"direction": direction}}
   reference = two_steps(sa.skewadam(1e-2, **tiers), base_params())
   updates = two_steps(sa.skewadam(1e-2, **tiers), with_empties(base_params()))

@@ -36,9 +36,9 @@ def test_bits_table_against_hand_computation(capsys):
   # AdamW: fp32 m and v for every parameter
   assert rows["adamw"] == ["64.00"] * 4
   # rank-4 factors P (d_model x 4) and Q (d_ff x 4) per expert matrix in the default
-  # orthogonal expert tier's bfloat16, no v
+  # orthogonal expert tier's int8 codes, with a float32 step for each of Qᵀ's 4 rows, no v
   c = _tiny()
-  expected = 8 * 2 * 4 * (c.d_model + c.d_ff) / (c.d_model * c.d_ff)
+  expected = 8 * (4 * (c.d_model + c.d_ff) + 4 * 4) / (c.d_model * c.d_ff)
   assert rows["skewadam"][1] == f"{expected:.2f}"
   # the router tier keeps fp32 m and an exact v
   assert rows["skewadam"][2] == "64.00"
