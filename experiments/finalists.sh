@@ -14,7 +14,8 @@
 # width scaling at Muon's rate and weight decay), whose five seeds that script trains,
 # and muon_gap.sh's muon-scale-rank-42-bf16 (that row with rank-42 bfloat16 factors:
 # 1.287 GB at moe-6.78b, the most the budget buys), over the seeds of the five that
-# script has finished, and that row at its tuned point (warmup 640, the default since #42),
+# script has finished, and that row at its tuned point (warmup 640, the default from #42
+# until rank 84 in int8 replaced it),
 # over the seeds of the five muon_gap.sh has finished there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,15 +58,16 @@ NAMES = {"lowrank": "SkewAdam, orthogonal tiers, rank-16 expert momentum (the de
                        "(`muon_gap.sh`'s `muon-scale`)",
          "muon-scale-rank-42-bf16": "that row with rank-42 bfloat16 expert momentum factors, "
                                     "1.287 GB at moe-6.78b (`muon_gap.sh`'s "
-                                    "`muon-scale-rank-42-bf16`; the default since #42, at "
-                                    "warmup 160)",
+                                    "`muon-scale-rank-42-bf16`; the default from #42 until "
+                                    "rank 84 in int8, at warmup 160)",
          "muon-scale-rank-42-bf16-warmup-640": "the rank-42 row at its tuned point, warmup 640 "
                                                "(`muon-scale-rank-42-bf16-warmup-640`; the "
-                                               "default since #42)"}
+                                               "default from #42 until rank 84 in int8)"}
 TEXT = {"lowrank": "The rank-16 row", "muon-scale": "The rank-16 row with Muon's scaling",
-        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling (the default, "
-                                   "at warmup 160)",
-        "muon-scale-rank-42-bf16-warmup-640": "The default at its tuned point (warmup 640)"}
+        "muon-scale-rank-42-bf16": "Rank-42 bfloat16 factors with Muon's scaling (the default "
+                                   "until rank 84 in int8, at warmup 160)",
+        "muon-scale-rank-42-bf16-warmup-640": "The rank-42 default at its tuned point "
+                                              "(warmup 640)"}
 rows = {}
 print("| contender | seeds | val ppl by seed | mean ± std |\n|---|---|---|---|")
 for name, dirs in SEED_RUNS.items():
