@@ -43,7 +43,7 @@ ORTHOGONAL_TIER_SETTINGS = types.MappingProxyType({
     # Muon's width scaling (orthogonal.width_scale), so Muon's rates carry over
     "backbone": types.MappingProxyType({"orthogonal_scale": "width"}),
     # a rank-84 factorisation of each expert matrix's momentum in int8 codes
-    # (encodings.LowRankEncoding: a float32 scale per row, stochastically rounded)
+    # (encodings.LowRankEncoding: a float32 step per row of Qᵀ, stochastically rounded)
     # in place of DEFAULT_EXPERT's packed signs: the most rank moe-6.78b's 1.29 GB
     # holds, twice bfloat16's at the same bytes, and the better of the two at 1600 steps
     "expert": types.MappingProxyType({"momentum": "lowrank", "lowrank_rank": 84,

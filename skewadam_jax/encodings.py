@@ -405,7 +405,9 @@ class LowRankEncoding(MomentumEncoding):
     ``stream`` keeps the two factors' random draws apart.
     """
     if x.shape[axis] == 0:  # an empty leaf's factors have no absmax: any step codes them
-      step = jnp.ones(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], jnp.float32)
+      shape = list(x.shape)
+      shape[axis] = 1
+      step = jnp.ones(shape, jnp.float32)
     else:
       step = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
       step = jnp.where(step > 0, step, 1.0)
