@@ -267,6 +267,17 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert (f"at the commands' 10 % warmup rank 42 gives {ppl_text(warm)} over seeds 0 to 2, "
           "ahead of Muon at each of them, within the spread") in text
   assert all(w < m for w, m in zip(warm, x5["muon"])) and within_noise(warm, x5["muon"])
+  # the default at this scale (rank 84 in int8 at its tuned warmup, 320), against the
+  # seed-0 rows it is compared with
+  own = x5_seeds("rank84-int8-warmup-320")
+  assert len(own) >= 1
+  behind = own[0] - x5["muon"][0]
+  assert (f"its seed 0 at warmup 320 gave {own[0]:.2f}, **{behind:.2f} behind Muon's "
+          f"{x5['muon'][0]:.2f} at that seed**, and behind rank 42 in bfloat16's seed 0 at either "
+          f"warmup ({x5['rank42-bf16'][0]:.2f} at 640, {warm[0]:.2f} at 160); at warmup 640 its "
+          f"one seed gave {x5_seeds('rank84-int8')[0]:.2f}") in text
+  assert behind > 0 and own[0] > max(x5["rank42-bf16"][0], warm[0])
+  assert f"the default's seed 0 there is {behind:.2f} behind Muon's (above)" in text
   # the same at 400 steps, one seed a row (the rank-16 row: safe_defaults.sh's X5 block)
   x5_rows = json.loads((RESULTS / "compare-x5.json").read_text())
   x5 = {r["optimizer"]: r["val_ppl_mean"] for r in x5_rows if r["config"] == "default"}
