@@ -201,6 +201,12 @@
 #   (56.22 and 56.35: over seeds 0 to 2 56.37 +- 0.16, 1.08 below Muon's tuned
 #   57.45 +- 0.26 and ahead of it at each seed; the rule picks it, the default since:
 #   quality page)
+#   then (2026-12-07, after its seed 0 at small-x5 came in 0.72 behind Muon's at warmup
+#   320, where rank 42 at the commands' 10 % warmup was ahead of Muon at each of three
+#   seeds; x5_long.sh), the default as the training command runs it, at that 10 % warmup,
+#   over three seeds here, beside x5_long.sh's rank84-int8-warmup-160, so the two scales
+#   are read at one point; decided before either ran, reported whatever they give:
+#   muon-scale-rank-84-int8-warmup-160-seed1, muon-scale-rank-84-int8-warmup-160-seed2
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
