@@ -34,7 +34,11 @@
 # that seed 0 gave 56.06 (0.72 behind Muon's, where rank 42 at the commands' 10 % warmup
 # was ahead of Muon and at its tuned 640 behind), before its seed 1 finished and reported
 # whatever it gives: the default as the training command runs it, at its 10 % warmup,
-# rank84-int8-warmup-160 (seed 0; on small 57.46 against 320's 56.53). A row is CONTENDER
+# rank84-int8-warmup-160 (seed 0; on small 57.46 against 320's 56.53). Decided after
+# seed 1 gave 53.38 (0.79 ahead of Muon's at that seed, so over seeds 0 and 1 level with
+# Muon's), to set the default beside Muon's three seeds as rank 42's rows are, and run
+# before rank84-int8-warmup-160, reported whatever it gives: rank84-int8-warmup-320-seed2.
+# A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),
 # so each checkpoints every 100 steps and goes on from its last checkpoint when the
