@@ -207,6 +207,8 @@
 #   over three seeds here, beside x5_long.sh's rank84-int8-warmup-160, so the two scales
 #   are read at one point; decided before either ran, reported whatever they give:
 #   muon-scale-rank-84-int8-warmup-160-seed1, muon-scale-rank-84-int8-warmup-160-seed2
+#   (56.61 and 56.19: over seeds 0 to 2 56.75 +- 0.65, ahead of Muon's tuned 57.45 +- 0.26
+#   at each seed, 1.07x the larger spread: within noise by the rule)
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
