@@ -37,7 +37,8 @@
 # rank84-int8-warmup-160 (seed 0; on small 57.46 against 320's 56.53). Decided after
 # seed 1 gave 53.38 (0.80 ahead of Muon's at that seed, so over seeds 0 and 1 level with
 # Muon's), to set the default beside Muon's three seeds as rank 42's rows are, and run
-# before rank84-int8-warmup-160, reported whatever it gives: rank84-int8-warmup-320-seed2.
+# before rank84-int8-warmup-160, reported whatever it gives: rank84-int8-warmup-320-seed2
+# (55.39, level with Muon's 55.40 at that seed; over seeds 0 to 2 level with Muon's).
 # A row is CONTENDER
 # (seed 0) or CONTENDER-seedN; ROWS picks them (empty: none, only the table).
 # A run is hours on 2 CPU cores (at 400 steps: the default 50 min, Muon 33, AdamW 13),

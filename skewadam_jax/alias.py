@@ -175,9 +175,9 @@ def skewadam_orthogonal(
   default before 0.3.0): validation perplexity 56.37 ± 0.16 against
   57.66 ± 0.28 and 58.59 ± 0.59 (``small``, 1600 steps, 3 seeds, each tuned
   by the same procedure; Muon 57.45 ± 0.26), docs/results/quality.md. At 5×
-  the parameters (``small-x5``) it is level with Muon over two seeds (54.72
-  ± 1.90 against Muon's 54.97 ± 0.69): its lead is measured on ``small``
-  only.
+  the parameters (``small-x5``) it is level with Muon over three seeds
+  (54.94 ± 1.40 against Muon's 54.97 ± 0.69): its lead is measured on
+  ``small`` only.
   ``expert={"momentum": "sign"}`` keeps packed signs;
   ``{"orthogonal_scale": "adam_rms"}`` in a tier scales the update to Adam's
   RMS (``0.2·√max(r, c)``), so Adam's rates carry over.
