@@ -34,7 +34,8 @@
 # that seed 0 gave 56.06 (0.72 behind Muon's, where rank 42 at the commands' 10 % warmup
 # was ahead of Muon and at its tuned 640 behind), before its seed 1 finished and reported
 # whatever it gives: the default as the training command runs it, at its 10 % warmup,
-# rank84-int8-warmup-160 (seed 0; on small 57.46 against 320's 56.53). Decided after
+# rank84-int8-warmup-160 (seed 0; on small 57.46 against 320's 56.53; here 55.05, 0.28 ahead
+# of Muon's seed 0 and 1.01 below 320's). Decided after
 # seed 1 gave 53.38 (0.80 ahead of Muon's at that seed, so over seeds 0 and 1 level with
 # Muon's), to set the default beside Muon's three seeds as rank 42's rows are, and run
 # before rank84-int8-warmup-160, reported whatever it gives: rank84-int8-warmup-320-seed2

@@ -301,6 +301,13 @@ def test_the_figures_at_a_glance_are_the_results_files():
   assert 0 < below_mean and within_noise(own, x5["muon"])
   assert (f"the default gives {ppl_text(own)} over seeds 0 to 2, behind Muon at seed 0 and "
           "ahead at seeds 1 and 2, within the spread (above)") in text
+  # ... and at the commands' 10 % warmup, one seed
+  commands_x5 = x5_seeds("rank84-int8-warmup-160")
+  assert len(commands_x5) == 1, "a new seed of the default's 10 % warmup at small-x5: re-state"
+  assert (f"its one seed gave {commands_x5[0]:.2f}, {x5['muon'][0] - commands_x5[0]:.2f} ahead of "
+          f"Muon's {x5['muon'][0]:.2f} at that seed and {own[0] - commands_x5[0]:.2f} below warmup "
+          "320's seed 0: one seed, no verdict") in text
+  assert commands_x5[0] < x5["muon"][0]
   # The README's table: the same rows, each x5 run at its small row's settings.
   def settings(run):  # what a run trained with, less the model's shape and checkpointing
     config = json.loads((RESULTS / run / "summary.json").read_text())["config"]
