@@ -33,7 +33,8 @@ def snippets_and_outputs():
 
 
 def test_every_python_block_has_its_output_shown():
-  assert len(snippets_and_outputs()) == len(code_blocks("python")) >= 2
+  # the optax pipeline; the Flax NNX example is on docs/getting-started.md (tests/test_docs.py)
+  assert len(snippets_and_outputs()) == len(code_blocks("python")) >= 1
 
 
 @pytest.mark.parametrize("index", range(len(snippets_and_outputs())))
@@ -372,5 +373,5 @@ def test_the_figures_at_a_glance_are_the_results_files():
 
 
 def test_the_readme_stays_short():
-  # words, not lines: a long paragraph on one line is no shorter (0.3.0's README had 2908)
-  assert len(README.split()) <= 2100 and README.count("\n") <= 270
+  # words and lines: a long paragraph on one line is no shorter (this README had 2908 words)
+  assert len(README.split()) <= 2000 and README.count("\n") <= 220
