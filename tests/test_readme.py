@@ -62,10 +62,15 @@ def _ppl(row):
   return f"{row['val_ppl_mean']:.2f} ± {row['val_ppl_std']:.2f}"
 
 
+def table_rows(text):
+  """The first markdown table in ``text``: each row's first cell -> its other cells."""
+  table = next(block for block in text.split("\n\n") if block.lstrip().startswith("|"))
+  return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+          for line in table.strip().splitlines()[2:]}  # past the header and its rule
+
+
 def test_the_figures_at_a_glance_are_the_results_files():
-  rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-          for line in README.split("## Results at a glance")[1].split("**Against Muon")[0].splitlines()
-          if line.startswith("| ") and not line.startswith("| measured")}
+  rows = table_rows(README.split("## Results at a glance")[1])
   state, peak, backward, h200, ppl, compile_time, _ = rows.values()  # the last: XLA:GPU
   assert state[:2] == [f"**{_gb('memory/skewadam.json', 'opt_state_bytes')}**",
                        _gb("memory/adamw.json", "opt_state_bytes")]
@@ -320,9 +325,7 @@ def test_the_figures_at_a_glance_are_the_results_files():
       ("rank84-int8-warmup-320", "muon-gap-runs/muon-scale-rank-84-int8-warmup-320"),
       ("rank42-bf16", "muon-gap-runs/muon-scale-rank-42-bf16-warmup-640")]:
     assert settings(f"x5-long-runs/{x5_run}") == settings(small_run), x5_run
-  table_text = README.split("**Against Muon, at two scales**")[1].split("\n\n")[1]
-  table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-           for line in table_text.splitlines()[2:]}
+  table = table_rows(README.split("**Against Muon, at two scales**")[1])
   gb = lambda row: f"{row['opt_state_bytes_6p78b'] / 1e9:.3f} GB"  # noqa: E731
   assert table == {
       "SkewAdam's default (rank-84 int8 expert momentum)": [
