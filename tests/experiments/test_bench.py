@@ -42,7 +42,7 @@ def test_bytes_moved_per_parameter(result):
 
 
 def test_command_json(capsys):
-  assert bench.main(["--layers", "1", "--experts", "2", "--d-model", "32", "--d-ff", "48",
+  assert bench.main(["--layers", "1", "--experts", "2", "--d-model", "16", "--d-ff", "24",
                      "--vocab", "64", "--repeats", "1", "--rounds", "1", "--skip-train-step",
                      "--json"]) == 0
   out = json.loads(capsys.readouterr().out)

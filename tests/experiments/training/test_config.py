@@ -114,8 +114,9 @@ def test_my_own_moe_trains_from_its_file_and_the_planner_plans_the_same_file(
   assert (saved["num_layers"], saved["d_model"], saved["num_experts"], saved["d_ff"]) == (
       6, 64, 8, 96)
   capsys.readouterr()
-  target = "a100-40gb" if planner.gpu_compile_available("a100-40gb") else "cpu"
-  assert memory.main(["--config", str(my_moe), "--target", target, "--no-search", "--json"]) == 0
+  # The CPU target: what is checked is which model and state the file gives the
+  # planner, not a GPU's analysis (test_memory.py compiles for the GPU targets).
+  assert memory.main(["--config", str(my_moe), "--target", "cpu", "--no-search", "--json"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["num_params"] == summary["num_params"]
   assert report["opt_state_bytes_by_tier"] == summary["opt_state_bytes_by_tier"]
