@@ -217,15 +217,14 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   """Trace + lower and compile seconds of the jitted update, SkewAdam against optax.adamw.
 
   All in this process, alternating, ``rounds`` times each (medians); SkewAdam
-  with its defaults and the ``"hf"`` labels (so the per-expert leaves are its
-  expert tier), the same with ``group_leaves=True`` (its leaves stacked by
-  plan; the default steps each leaf alone when JAX's default backend is the
-  CPU, so on this machine the first row is ungrouped whatever the target), and
+  with the ``"hf"`` labels (so the per-expert leaves are its expert tier), each
+  leaf stepped alone (``group_leaves=False``), the same with
+  ``group_leaves=True`` (its leaves stacked by plan), and
   :func:`hand_written_update` (its expert math without the library) and
   :func:`outputs_only_update` (its state's arrays written with no math),
   :func:`stacking_only_update` (the grouped row's stacking and slicing with no math
   between them), and ``group_leaves="stacked"`` (grouped, each group's state
-  kept stacked). Nothing is allocated or run. ``target``: a planner target
+  kept stacked: the default on every backend). Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -235,7 +234,10 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   place = lambda t: planner.with_sharding(t, sharding)  # noqa: E731
   tree = place(tree)
   txs = {"optax.adamw": lambda: optax.adamw(1e-3),
-         "skewadam": lambda: skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf")),
+         # Each leaf stepped alone (the CPU's default before 0.3.0, which the committed
+         # rows measured through group_leaves="auto" on this CPU machine).
+         "skewadam": lambda: skewadam_jax.skewadam(1e-3, param_labels=skewadam_jax.label_fn("hf"),
+                                                   group_leaves=False),
          # Its leaves stacked by plan, shape and dtype whatever the backend,
          # each leaf's state kept leaf by leaf.
          "skewadam, leaves grouped": lambda: skewadam_jax.skewadam(
@@ -243,12 +245,12 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
          "the same math by hand": hand_written_update,
          # SkewAdam's state written with no math: the outputs' own cost.
          "skewadam's outputs, no math": lambda: outputs_only_update(skewadam_jax.skewadam(
-             1e-3, param_labels=skewadam_jax.label_fn("hf"))),
+             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=False)),
          # The grouped row's stacking and slicing with no math between them.
          "skewadam grouped, no math": lambda: stacking_only_update(skewadam_jax.skewadam(
              1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves=True)),
          # Grouped, each group's state kept stacked: only gradients stacked, updates
-         # sliced (the default unless JAX's default backend is the CPU).
+         # sliced (the default on every backend since 0.3.0).
          "skewadam, state stacked": lambda: skewadam_jax.skewadam(
              1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves="stacked")}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
@@ -501,10 +503,10 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb",
   input, so the temp is what the update needs beyond its inputs and outputs.
   ``kernel_bytes_per_param`` is :func:`~experiments.planning.hlo.kernel_bytes` of the compiled update
   over the number of parameters: what the update would read and write on
-  that GPU. Row ``"skewadam"`` is the optimizer as this machine builds it
-  (on a CPU: each leaf stepped alone), ``"skewadam, as on a GPU"`` as a GPU
-  builds it (``group_leaves="auto"`` reads JAX's default backend: each
-  group's state stacked) and ``"skewadam, leaves grouped"`` with
+  that GPU. Row ``"skewadam"`` steps each leaf alone (``group_leaves=False``,
+  the CPU's default before 0.3.0, which the committed rows measured),
+  ``"skewadam, as on a GPU"`` as a GPU builds it (each group's state stacked,
+  the default on every backend since) and ``"skewadam, leaves grouped"`` with
   ``group_leaves=True`` (the GPU's default before 0.3.0).
   """
   _, _, params, _ = steps_lib.abstract_model(preset, jnp.bfloat16)
@@ -513,7 +515,8 @@ def update_temp_bytes(preset: str = "moe-6.78b", target: str = "a100-40gb",
   n = sum(x.size for x in jax.tree.leaves(params))
   temp, traffic = {}, {}
   grouped = functools.partial(skewadam_jax.skewadam, group_leaves=True)
-  patches = {"skewadam": [], "adamw": [],
+  alone = functools.partial(skewadam_jax.skewadam, group_leaves=False)
+  patches = {"skewadam": [mock.patch.object(skewadam_jax, "skewadam", alone)], "adamw": [],
              "skewadam, as on a GPU": [mock.patch.object(jax, "default_backend", lambda: "gpu")],
              "skewadam, leaves grouped": [mock.patch.object(skewadam_jax, "skewadam", grouped)]}
   for name in rows:

@@ -59,7 +59,10 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
     state: a live or abstract (``jax.eval_shape``) optimizer state: SkewAdam's,
       any optax optimizer's, or a chain / wrapper containing them.
     param_labels: the ``param_labels`` SkewAdam was built with, if not the
-      default (a tree or a callable; matched to each field by path). They
+      default (a tree or a callable; matched to each field by path). A
+      SkewAdam state holds no record of its tiers: without ``param_labels``
+      they are read from its paths with ``router`` and ``expert``, and a state
+      in which those find neither tier is refused (its labels were custom). They
       also attribute the parameter-shaped parts of other optimizers' states
       (AdamW's ``mu`` and ``nu``): any subtree with the structure of
       ``params`` (or, without ``params``, of a full ``param_labels`` tree).
@@ -72,6 +75,10 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
   Returns:
     ``{"backbone", "expert", "router", "other", "total"}`` in bytes; the first
     four sum to ``"total"``.
+
+  Raises:
+    ValueError: for a SkewAdam state without ``param_labels`` whose paths
+      match neither the expert nor the router patterns.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -101,8 +108,15 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
       for name in transform.FIELDS:
         field = getattr(leaf, name)
         if param_labels is None:
-          tiers = [labels_lib.label_path(p, router=router, expert=expert)
-                   for p in labels_lib.flatten_with_paths(field)[0]]
+          paths = labels_lib.flatten_with_paths(field)[0]
+          tiers = [labels_lib.label_path(p, router=router, expert=expert) for p in paths]
+          if paths and not {labels_lib.EXPERT, labels_lib.ROUTER} & set(tiers):
+            raise ValueError(
+                "state_bytes_by_tier: no path of this SkewAdam state matches the expert or "
+                f"router patterns ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}), "
+                "so it cannot tell which tier SkewAdam gave each leaf. Pass the "
+                "param_labels the optimizer was built with (param_labels='backbone' for a "
+                "model without experts).")
         else:
           tiers = labels_lib.resolve_labels(param_labels, field)
         for tier, x in zip(tiers, jax.tree.leaves(field)):

@@ -13,6 +13,7 @@ does. Its defaults are the training command's (``python -m experiments.train``).
 
 from __future__ import annotations
 
+import re
 import types
 import warnings
 from typing import Any, Optional, Sequence, Union
@@ -26,12 +27,20 @@ from skewadam_jax import transform
 # Embedding and unembedding names in this project's model (embed/embedding,
 # unembed/kernel), Hugging Face (embed_tokens, lm_head, wte/wpe), MaxText
 # (token_embedder, logits_dense), KerasHub (token_embedding, reversible
-# embeddings), Levanter (token_embeddings) and Llama's tok_embeddings.
+# embeddings), Levanter (token_embeddings), Llama's tok_embeddings, and the
+# position tables of hand-written models (pos, pos_embedding, ...).
 EMBEDDING_PATTERNS = (
     r"(^|/)(embed|embedding|embeddings|embed_tokens|token_embedder|token_embedding|"
-    r"token_embeddings|tok_embeddings|wte|wpe|position_embedding|unembed|unembedding|"
+    r"token_embeddings|tok_embeddings|wte|wpe|position_embedding|position_embeddings|"
+    r"pos|pos_emb|pos_embed|pos_embedding|positional_embedding|unembed|unembedding|"
     r"lm_head|logits_dense|output_embedding)(/|$)",
 )
+
+# Which of those names an output side (an unembedding) or a position table: the
+# rest are input embeddings, whose rows give the vocabulary size.
+_OUTPUT_NAMES = r"(^|/)(unembed|unembedding|lm_head|logits_dense|output_embedding)(/|$)"
+_POSITION_NAMES = (r"(^|/)(wpe|position_embedding|position_embeddings|pos|pos_emb|pos_embed|"
+                   r"pos_embedding|positional_embedding)(/|$)")
 
 # What skewadam_orthogonal gives the backbone and expert tiers beyond their
 # direction, where a tier is None or a dict that does not set the key: the
@@ -66,22 +75,93 @@ Patterns = Union[str, Sequence[str]]
 _DEFAULT = object()  # embeddings=: EMBEDDING_PATTERNS unless orthogonal_mask is given
 
 
-def _orthogonal_unless_embedding(patterns: Patterns):
-  """An ``orthogonal_mask`` function: False on paths matching ``patterns``."""
-  compiled = labels_lib._compile(patterns)  # pylint: disable=protected-access
+class EmbeddingMask:
+  """``skewadam_orthogonal``'s ``orthogonal_mask``: False on embeddings and unembeddings.
 
-  def mask(tree):
+  A leaf keeps Adam's direction when its path matches ``patterns``
+  (``re.search`` on the ``/``-joined path, ``.`` read as ``/``), or when it is
+  the output side of a matched input embedding: a 2-D matrix with the
+  vocabulary size (the rows of a matched token embedding ``[V, D]``, when
+  ``V ≠ D``) as one of its two sides, a readout or logits kernel of any
+  name. :meth:`roles` says which rule took each leaf; ``plan_table`` shows it
+  ("adam (unembedding)"). It warns at ``init`` when nothing matched and, with
+  ``expect_output`` (the default patterns), when an input embedding matched but
+  no output side did (a model with a tied embedding has none: pass
+  ``embeddings=`` to say so).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> tree = {"tok": {"embedding": jax.ShapeDtypeStruct((100, 8), jnp.float32)},
+    ...         "mlp": jax.ShapeDtypeStruct((8, 32), jnp.float32),
+    ...         "readout": jax.ShapeDtypeStruct((8, 100), jnp.float32)}
+    >>> EmbeddingMask(EMBEDDING_PATTERNS).roles(tree)
+    [None, 'unembedding, vocabulary 100', 'embedding']
+  """
+
+  def __init__(self, patterns: Patterns, *, expect_output: bool = True):
+    self.patterns = labels_lib._as_tuple(patterns)  # pylint: disable=protected-access
+    self.expect_output = expect_output
+    self._compiled = labels_lib._compile(self.patterns)  # pylint: disable=protected-access
+
+  def __repr__(self):
+    return f"EmbeddingMask({self.patterns!r})"
+
+  def __eq__(self, other):
+    return (isinstance(other, EmbeddingMask) and self.patterns == other.patterns
+            and self.expect_output == other.expect_output)
+
+  def __hash__(self):
+    return hash((self.patterns, self.expect_output))
+
+  def roles(self, tree) -> list[Optional[str]]:
+    """Per leaf, in flattening order: why it keeps Adam's direction, or ``None``."""
+    labels_lib.refuse_step_count(tree, "orthogonal_mask")
+    paths, leaves, _ = labels_lib.flatten_with_paths(tree)
+    paths = [path.replace(".", "/") for path in paths]
+    search = lambda pattern, path: re.search(pattern, path) is not None  # noqa: E731
+    roles: list[Optional[str]] = []
+    vocabularies = set()
+    for path, leaf in zip(paths, leaves):
+      if not any(p.search(path) for p in self._compiled):
+        roles.append(None)
+      elif search(_OUTPUT_NAMES, path):
+        roles.append("unembedding")
+      elif search(_POSITION_NAMES, path):
+        roles.append("position embedding")
+      else:
+        roles.append("embedding")
+        shape = getattr(leaf, "shape", ())
+        if len(shape) == 2 and shape[0] != shape[1]:  # [V, D]: V rows, one per token
+          vocabularies.add(shape[0])
+    for i, leaf in enumerate(leaves):
+      shape = tuple(getattr(leaf, "shape", ()))
+      if roles[i] is None and len(shape) == 2 and shape[0] != shape[1]:
+        vocabulary = vocabularies.intersection(shape)
+        if vocabulary:
+          roles[i] = f"unembedding, vocabulary {min(vocabulary)}"
+    return roles
+
+  def __call__(self, tree):
     paths, leaves, treedef = labels_lib.flatten_with_paths(tree)
-    embedding = [any(p.search(path.replace(".", "/")) for p in compiled) for path in paths]
-    if leaves and not any(embedding):
-      warnings.warn(
-          "skewadam_orthogonal: no parameter path matched the embedding patterns "
-          f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): every declared matrix, "
-          "an embedding or unembedding included, gets Muon's direction. If the model has "
-          "them, pass embeddings=<your patterns> or orthogonal_mask.", stacklevel=2)
-    return jax.tree.unflatten(treedef, [not e for e in embedding])
-
-  return mask
+    roles = self.roles(tree)
+    if leaves:
+      if not any(roles):
+        warnings.warn(
+            "skewadam_orthogonal: no parameter path matched the embedding patterns "
+            f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): every declared "
+            "matrix, an embedding or unembedding included, gets Muon's direction. If the "
+            "model has them, pass embeddings=<your patterns> or orthogonal_mask.", stacklevel=2)
+      elif self.expect_output and not any(role and role.startswith("unembedding")
+                                          for role in roles):
+        inputs = [p for p, role in zip(paths, roles) if role == "embedding"]
+        if inputs:
+          warnings.warn(
+              f"skewadam_orthogonal: found the embedding {inputs[0]!r} but no unembedding "
+              "(no path named like one, no other 2-D matrix with the vocabulary size as a "
+              "side): the output layer, if the model has its own, gets Muon's direction. "
+              "Name it in embeddings=<your patterns>, or pass embeddings= to say that the "
+              "output is tied to the embedding.", stacklevel=2)
+    return jax.tree.unflatten(treedef, [role is None for role in roles])
 
 
 def _with_defaults(tier: transform.TierLike, **defaults: Any) -> transform.TierLike:
@@ -116,8 +196,8 @@ def orthogonal_settings(*, direction: str = "orthogonal", embeddings: Any = _DEF
     if embeddings is not _DEFAULT and embeddings is not None:
       raise ValueError("Give embeddings= or orthogonal_mask=, not both.")
   elif embeddings is not None:
-    orthogonal_mask = _orthogonal_unless_embedding(
-        EMBEDDING_PATTERNS if embeddings is _DEFAULT else embeddings)
+    orthogonal_mask = (EmbeddingMask(EMBEDDING_PATTERNS) if embeddings is _DEFAULT
+                       else EmbeddingMask(embeddings, expect_output=False))
   return {"backbone": _with_defaults(backbone, direction=direction,
                                      **ORTHOGONAL_TIER_SETTINGS["backbone"]),
           "expert": _with_defaults(expert, direction=direction,
@@ -142,7 +222,13 @@ def skewadam_orthogonal(
     expert: transform.TierLike = None,
     router: transform.TierLike = None,
     max_grad_norm: Optional[float] = 1.0,
-    **kwargs: Any,
+    param_labels: labels_lib.LabelSpec = None,
+    matrix_axes: Any = None,
+    nesterov: bool = False,
+    factored_eps: float = 1e-30,
+    clip_threshold: Union[float, str, None] = "auto",
+    contain_nonfinite: bool = True,
+    group_leaves: Union[bool, str] = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   r"""SkewAdam with Muon's direction in the backbone and expert tiers.
 
@@ -208,8 +294,9 @@ def skewadam_orthogonal(
       gets ``direction`` and the tier's :data:`ORTHOGONAL_TIER_SETTINGS`
       where it does not set them; a :class:`TierConfig` is used as given.
     max_grad_norm: the global-norm clip inside the step (``None``: none).
-    **kwargs: the rest of :func:`skewadam`'s keyword arguments
-      (``param_labels``, ``matrix_axes``, ``nesterov``, ...).
+    param_labels, matrix_axes, nesterov, factored_eps, clip_threshold,
+      contain_nonfinite, group_leaves: as in :func:`skewadam` (named here, not
+      passed through ``**kwargs``, so ``optax.inject_hyperparams`` sees them).
 
   Its per-leaf plan: ``plan_table(params, param_labels=...,
   **orthogonal_settings(...))`` with the same arguments
@@ -238,4 +325,7 @@ def skewadam_orthogonal(
                                  orthogonal_mask=orthogonal_mask, backbone=backbone, expert=expert)
   return transform.skewadam(
       learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-      router=router, max_grad_norm=max_grad_norm, **settings, **kwargs)
+      router=router, max_grad_norm=max_grad_norm, param_labels=param_labels,
+      matrix_axes=matrix_axes, nesterov=nesterov, factored_eps=factored_eps,
+      clip_threshold=clip_threshold, contain_nonfinite=contain_nonfinite,
+      group_leaves=group_leaves, **settings)

@@ -156,8 +156,21 @@ def normalize(entry, shape, path: str) -> Optional[MatrixAxes]:
 
 
 def default_matrix_axes(tree):
-  """The default declaration: the last two axes of every leaf with ``ndim >= 2``."""
-  return jax.tree.map(lambda x: MatrixAxes() if len(x.shape) >= 2 else None, tree)
+  """The default declaration: the last two axes of every leaf with ``ndim >= 2``.
+
+  Except biases and scales (a last path component ``bias``, ``scale`` or
+  ending in ``_bias`` / ``_scale``): vectors per output however many axes they
+  have (an attention bias ``[H, Dh]``, an expert bias ``[E, F]``), as the
+  named sets declare them; not factored, orthogonalised or decayed.
+  """
+  paths, leaves, treedef = labels_lib.flatten_with_paths(tree)
+  return treedef.unflatten([_guess(path, leaf.shape) for path, leaf in zip(paths, leaves)])
+
+
+def _guess(path: str, shape) -> Optional[MatrixAxes]:
+  if len(shape) < 2 or _VECTOR_NAME.search(path.replace(".", "/").rsplit("/", 1)[-1]):
+    return None
+  return MatrixAxes()
 
 
 # Where a named pattern set's trees stack their layers (a regex and the axis)
@@ -260,6 +273,7 @@ def named_matrix_axes(name: str) -> Callable[[Any], Any]:
   patterns = labels_lib.PATTERNS[name]
 
   def spec(tree):
+    labels_lib.refuse_step_count(tree, "matrix_axes")
     paths, leaves, treedef = labels_lib.flatten_with_paths(tree)
     return treedef.unflatten([
         _named_entry(p, np.shape(x), labels_lib.label_path(p, **patterns), _NAMED[name])
@@ -306,7 +320,7 @@ def resolve_matrix_axes(matrix_axes: AxesSpec, tree) -> list[Optional[MatrixAxes
   """
   paths, leaves, _ = labels_lib.flatten_with_paths(tree)
   if matrix_axes is None:
-    entries = [MatrixAxes() if len(x.shape) >= 2 else None for x in leaves]
+    entries = [_guess(p, x.shape) for p, x in zip(paths, leaves)]
   else:
     spec = matrix_axes(tree) if labels_lib.is_function(matrix_axes) else matrix_axes
     entries = labels_lib.spec_per_leaf(spec, tree, what="matrix_axes",

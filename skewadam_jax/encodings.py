@@ -436,7 +436,7 @@ class LowRankEncoding(MomentumEncoding):
     # XLA's batched QR has no sharding rule for explicit mesh axes: it runs on the
     # gathered R × r products (r columns a matrix, small beside the momentum).
     mq = m @ q
-    p = _explicit.like(jnp.linalg.qr(_explicit.replicated(mq))[0], mq)
+    p = _explicit.like(orthonormal_columns(_explicit.replicated(mq)), mq)
     q_t = jnp.swapaxes(p, -1, -2) @ m  # Qᵀ = Pᵀ·m, [..., r, C]
     shortened = lambda sizes: (1,) * (len(sizes) - 1) + (r,)  # noqa: E731
     as_p = lambda x: view.from_matrix(x, view.rows, shortened(view.cols))  # noqa: E731
@@ -473,11 +473,44 @@ class LowRankEncoding(MomentumEncoding):
     p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(
         parts["mu_row"].astype(jnp.float32))
     if jnp.dtype(self.dtype) == jnp.int8:  # codes: the columns' scales moved into Qᵀ
-      p = _explicit.like(jnp.linalg.qr(_explicit.replicated(p))[0], p)
+      p = _explicit.like(orthonormal_columns(_explicit.replicated(p)), p)
     view = _MatrixView.of(x.shape, axes)
     x_matrix = view.to_matrix(x.astype(jnp.float32))
     projected = p @ (jnp.swapaxes(p, -1, -2) @ x_matrix)
     return view.from_matrix(projected, view.rows, view.cols)
+
+
+def orthonormal_columns(x: jax.Array) -> jax.Array:
+  """``Q`` of the reduced QR factorisation of each matrix ``x[..., :, :]``.
+
+  On GPU and TPU this is ``jnp.linalg.qr(x)[0]``. On XLA:CPU the matrices are
+  factored one at a time (``lax.map`` over the batch axes): the same LAPACK
+  calls, bit for bit the same ``Q``, but no batched QR. jaxlib 0.10.2's batched
+  LAPACK QR spreads its batch over XLA:CPU's intra-op thread pool and waits
+  for it; when several such QRs run at once (a jitted update of several
+  expert banks stepped leaf by leaf does that) every worker of the pool can
+  end up waiting on work queued behind itself, and the program never returns
+  (``docs/development.md``, "The batched-QR deadlock on XLA:CPU").
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.random.normal(jax.random.key(0), (3, 6, 2))
+    >>> q = orthonormal_columns(x)
+    >>> q.shape
+    (3, 6, 2)
+    >>> bool(jnp.allclose(jnp.swapaxes(q, -1, -2) @ q, jnp.eye(2), atol=1e-5))
+    True
+  """
+  batch = x.shape[:-2]
+  if not batch or x.size == 0:  # one matrix, or nothing to factor
+    return jnp.linalg.qr(x)[0]
+
+  def one_at_a_time():
+    flat = x.reshape((math.prod(batch),) + x.shape[-2:])
+    q = jax.lax.map(lambda matrix: jnp.linalg.qr(matrix)[0], flat)
+    return q.reshape(batch + q.shape[-2:])
+
+  return jax.lax.platform_dependent(cpu=one_at_a_time, default=lambda: jnp.linalg.qr(x)[0])
 
 
 def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import jax
+import numpy as np
 import optax
 
 BACKBONE = "backbone"
@@ -256,9 +257,36 @@ def moe_param_labels(tree, *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
     >>> moe_param_labels(params)
     {'embed': 'backbone', 'moe': {'experts': 'expert', 'router': 'router'}}
   """
+  refuse_step_count(tree, "param_labels")
   return jax.tree_util.tree_map_with_path(
       lambda p, _: label_path(path_to_str(p), router=router, expert=expert),
       tree)
+
+
+def is_step_count(x) -> bool:
+  """Whether ``x`` looks like the step count a schedule is called with: a 0-d integer array."""
+  return (hasattr(x, "shape") and hasattr(x, "dtype") and tuple(x.shape) == ()
+          and np.issubdtype(np.dtype(x.dtype), np.integer))
+
+
+def static_args_error(argument: str) -> ValueError:
+  """The error for a structural argument that ``optax.inject_hyperparams`` made a schedule."""
+  return ValueError(
+      f"SkewAdam's {argument} was called with a step count, not a tree: "
+      "optax.inject_hyperparams takes every callable argument for a schedule; name it "
+      f"static: optax.inject_hyperparams(..., static_args=({argument!r},)).")
+
+
+def refuse_step_count(tree, argument: str) -> None:
+  """Raises :func:`static_args_error` when a structural function gets a step count.
+
+  ``optax.inject_hyperparams`` calls every callable argument with the step count
+  unless it is named in ``static_args``; a labeller called so would label a
+  scalar, and every leaf would land in one tier in silence. A parameter tree
+  is never a lone integer scalar (SkewAdam refuses integer leaves).
+  """
+  if is_step_count(tree):
+    raise static_args_error(argument)
 
 
 def label_names(names: Sequence[str], *, router: Patterns = DEFAULT_ROUTER_PATTERNS,
@@ -328,7 +356,7 @@ def _example_paths(paths: list[str], leaves: list[Any], tier: str) -> list[str]:
     hits = [p for p, x in zip(paths, leaves)
             if ("expert" in p.lower() or len(x.shape) >= 3) and not _ROUTER_LIKE.search(p)]
   else:
-    hits = [p for p in paths if re.search(r"gate|rout", p, re.I) and "proj" not in p]
+    hits = [p for p in paths if re.search(r"gate|gating|rout", p, re.I) and "proj" not in p]
   return hits[:3]
 
 

@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from skewadam_jax import accounting
 from skewadam_jax import axes as axes_lib
@@ -40,15 +41,18 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
   paths, leaves, _ = labels_lib.flatten_with_paths(params)
   with warnings.catch_warnings():  # leaf_plans has warned already
     warnings.simplefilter("ignore", UserWarning)
+    # each leaf's own bytes: in the stacked layout a group's first leaf holds them all
     per_param = accounting.state_bytes_per_param(
-        transform.scale_by_skewadam(**skewadam_kwargs), params)
+        transform.scale_by_skewadam(**{**skewadam_kwargs, "group_leaves": False}), params)
   matrix_axes = axes_lib.for_labels(skewadam_kwargs.get("matrix_axes"),
                                     skewadam_kwargs.get("param_labels"))
   decay = transform.decayed_leaves(mask, params, matrix_axes)
+  masked_off = _masked_off_reasons(params, plans, skewadam_kwargs)
   # Without a declaration the axes are a guess (the last two): say so on every row.
   guessed = " (guessed)" if matrix_axes is None else ""
   rows = []
-  for path, leaf, plan, nbytes, decayed in zip(paths, leaves, plans, per_param, decay):
+  for path, leaf, plan, nbytes, decayed, reason in zip(paths, leaves, plans, per_param, decay,
+                                                      masked_off):
     size = math.prod(leaf.shape)
     second = ("per-neuron float32" if plan.neuron_b2 is not None else
               "none" if plan.orthogonal else
@@ -61,11 +65,35 @@ def plan_rows(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> l
         "second moment": second,
         "direction": ("normalized orthogonal" if plan.neuron_b2 is not None
                       else "orthogonal" if plan.orthogonal else "adam")
-                     + (", width-scaled" if plan.orthogonal_scale == "width" else ""),
+                     + (", width-scaled" if plan.orthogonal_scale == "width" else "")
+                     + (f" ({reason})" if reason else ""),
         "decay": "yes" if decayed else "no",
         # a leaf with no entries has state (its factored statistics) but no per-entry rate
         "state B/param": round(nbytes / size, 3) if size else None})
   return rows
+
+
+def _masked_off_reasons(params, plans, skewadam_kwargs) -> list:
+  """Per leaf: why a real matrix of an orthogonal tier keeps Adam's direction, or ``None``.
+
+  The embedding mask of ``skewadam_orthogonal`` names its rule ("embedding",
+  "unembedding, vocabulary V", "position embedding"); any other mask is
+  named as the argument.
+  """
+  mask = skewadam_kwargs.get("orthogonal_mask")
+  if mask is None:
+    return [None] * len(plans)
+  roles = mask.roles(params) if hasattr(mask, "roles") else [None] * len(plans)
+  defaults = {"backbone": transform.DEFAULT_BACKBONE, "expert": transform.DEFAULT_EXPERT,
+              "router": transform.DEFAULT_ROUTER}
+  directions = {tier: transform._as_tier_config(  # pylint: disable=protected-access
+      tier, skewadam_kwargs.get(tier), default).direction for tier, default in defaults.items()}
+  leaves = jax.tree.leaves(params)
+  return [(role or "orthogonal_mask")
+          if (directions[plan.tier] in transform.ORTHOGONAL_DIRECTIONS and plan.axes is not None
+              and not plan.orthogonal and not jnp.iscomplexobj(jnp.zeros((), leaf.dtype)))
+          else None
+          for plan, leaf, role in zip(plans, leaves, roles)]
 
 
 def plan_table(params, *, mask: Any = transform.MATRICES, **skewadam_kwargs) -> str:

@@ -862,8 +862,8 @@ STACKED = "stacked"
 
 
 def _init_stacks_state(group_leaves) -> bool:
-  """Whether ``init`` keeps each group's state stacked: ``"stacked"``, or ``"auto"`` off the CPU."""
-  return group_leaves == STACKED or (group_leaves == "auto" and jax.default_backend() != "cpu")
+  """Whether ``init`` keeps each group's state stacked: ``"stacked"`` or ``"auto"``, on every backend."""
+  return group_leaves in (STACKED, "auto")
 
 
 def _holds_stacked_groups(groups: list[list[int]], parts: list[dict]) -> bool:
@@ -1093,6 +1093,18 @@ def _check_parts(path: str, plan: LeafPlan, leaf, parts: dict) -> None:
           "between init and update.")
 
 
+def _refuse_scheduled_structure(**arguments) -> None:
+  """Refuses a structural argument that arrives as an array: a schedule's value.
+
+  ``optax.inject_hyperparams`` calls each callable argument with the step
+  count and passes on what it returns; a labeller, axes or mask function
+  returns an array there only when it was taken for a schedule.
+  """
+  for name, value in arguments.items():
+    if isinstance(value, (jax.Array, np.ndarray)):
+      raise labels_lib.static_args_error(name)
+
+
 def scale_by_skewadam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -1254,6 +1266,8 @@ def scale_by_skewadam(
     (2, 4, 1)
   """
   _check_hyperparameters(b1, b2, eps, eps_root, factored_eps)
+  _refuse_scheduled_structure(param_labels=param_labels, matrix_axes=matrix_axes,
+                              orthogonal_mask=orthogonal_mask)
   tiers = {"backbone": backbone, "expert": expert, "router": router}
   for name, default in (("backbone", DEFAULT_BACKBONE), ("expert", DEFAULT_EXPERT),
                         ("router", DEFAULT_ROUTER)):
@@ -1293,6 +1307,14 @@ def scale_by_skewadam(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    if isinstance(state, (dict, list)) or (type(state) is tuple):  # pylint: disable=unidiomatic-typecheck
+      raise ValueError(
+          f"SkewAdam's update got a plain {type(state).__name__} where its "
+          "ScaleBySkewAdamState belongs: a checkpoint restored without a target (orbax "
+          "with no abstract state) comes back as plain containers. Restore it into the "
+          "optimizer's own state, e.g. with orbax "
+          "ocp.args.StandardRestore(jax.eval_shape(tx.init, params)) or a target of "
+          "tx.init(params); its arrays then continue where they stopped.")
     if not isinstance(state, ScaleBySkewAdamState):
       raise ValueError(
           f"SkewAdam's update got a {type(state).__name__} state, not the "

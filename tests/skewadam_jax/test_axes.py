@@ -65,21 +65,42 @@ def test_stacked_vector_updates_equal_adam_on_each_layer_alone(momentum):
 
 
 def test_default_axes_factor_a_stacked_vector_across_layers():
-  # The reason to declare: undeclared, [L, D] is a matrix and layers mix. Layer
-  # 1's gradient is 100x smaller than the others on most dimensions; factored
-  # across layers, its updates come out up to 100x off Adam's.
+  # The reason to declare: undeclared, [L, D] is a matrix and layers mix (a name
+  # that says nothing: "gamma"; a "scale" or "bias" is guessed a vector, below).
+  # Layer 1's gradient is 100x smaller than the others on most dimensions;
+  # factored across layers, its updates come out up to 100x off Adam's.
   g = jnp.array([[100.0, 1, 1, 1, 1], [0.01, 0.01, 0.01, 0.01, 1], [1, 1, 1, 1, 1]])
-  grads = {"layers": {"norm": {"scale": g}, "attn": {"wq": jnp.ones((L, D, 4))}},
+  params = {"layers": {"norm": {"gamma": jnp.ones((L, D))},
+                       "attn": {"wq": jnp.ones((L, D, 4))}}, "embed": jnp.ones((6, D))}
+  grads = {"layers": {"norm": {"gamma": g}, "attn": {"wq": jnp.ones((L, D, 4))}},
            "embed": jnp.ones((6, D))}
+  declared = {"layers": {"norm": {"gamma": None}, "attn": {"wq": sa.MatrixAxes(1, 2)}},
+              "embed": sa.MatrixAxes(0, 1)}
   ratios = {}
-  for name, spec in (("default", None), ("declared", DECLARED)):
+  for name, spec in (("default", None), ("declared", declared)):
     tx = sa.scale_by_skewadam(matrix_axes=spec)
-    u, _ = tx.update(grads, tx.init(PARAMS))
+    u, _ = tx.update(grads, tx.init(params))
     ref, _ = optax.scale_by_adam().update(g, optax.scale_by_adam().init(g))
-    ratio = jnp.abs(ref / u["layers"]["norm"]["scale"])
+    ratio = jnp.abs(ref / u["layers"]["norm"]["gamma"])
     ratios[name] = float(jnp.maximum(ratio, 1 / ratio).max())
   assert ratios["declared"] == pytest.approx(1.0, rel=1e-3)   # bf16 momentum rounding
   assert ratios["default"] > 50.0
+
+
+def test_the_default_guess_makes_biases_and_scales_vectors_whatever_their_rank():
+  # Flax attention biases [H, Dh], expert biases [E, F], stacked norm scales [L, D]:
+  # vectors per output, as the named sets declare them (not factored, not decayed);
+  # a kernel of the same shape stays a matrix.
+  tree = {"attn": {"query": {"bias": jnp.ones((4, 8)), "kernel": jnp.ones((16, 4, 8))}},
+          "moe": {"experts": {"wi_bias": jnp.ones((4, 32)), "wi": jnp.ones((4, 16, 32))}},
+          "layers": {"norm": {"scale": jnp.ones((L, D))}}, "w": jnp.ones((4, 8))}
+  axes = dict(zip(sa.labels.flatten_with_paths(tree)[0], axes_lib.resolve_matrix_axes(None, tree)))
+  assert [p for p, a in axes.items() if a is None] == [
+      "attn/query/bias", "layers/norm/scale", "moe/experts/wi_bias"]
+  assert sa.matrices_only(tree)["attn"]["query"] == {"bias": False, "kernel": True}
+  state = sa.scale_by_skewadam(group_leaves=False).init(tree)
+  assert state.nu["moe"]["experts"]["wi_bias"].shape == (4, 32)     # exact, not factored
+  assert state.nu_row["w"].shape == (4, 1)
 
 
 def test_matrix_on_middle_axes_factors_per_batch_entry():

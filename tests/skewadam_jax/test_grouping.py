@@ -195,18 +195,17 @@ def _layout(state):
       state, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
 
 
-def test_auto_stacks_the_state_off_the_cpu_and_continues_either_layout(monkeypatch):
+def test_auto_stacks_the_state_on_every_backend_and_continues_either_layout(monkeypatch):
+  # One layout for every backend (#81): the CPU stepped each leaf alone before 0.3.0.
   tree = _per_expert_tree(2)
   kw = dict(param_labels=sa.label_fn("hf"))
   auto = sa.scale_by_skewadam(**kw)
   stacked, alone = (sa.scale_by_skewadam(group_leaves=g, **kw) for g in ("stacked", False))
-  with monkeypatch.context() as patch:  # on a CPU: leaf by leaf
-    patch.setattr(jax, "default_backend", lambda: "cpu")
-    assert _layout(auto.init(tree)) == _layout(alone.init(tree))
-  with monkeypatch.context() as patch:
-    patch.setattr(jax, "default_backend", lambda: "gpu")
-    assert _layout(auto.init(tree)) == _layout(stacked.init(tree))
-    assert _layout(auto.init(tree)) != _layout(alone.init(tree))
+  for backend in ("cpu", "gpu", "tpu"):
+    with monkeypatch.context() as patch:
+      patch.setattr(jax, "default_backend", lambda backend=backend: backend)
+      assert _layout(auto.init(tree)) == _layout(stacked.init(tree))
+      assert _layout(auto.init(tree)) != _layout(alone.init(tree))
   # A state made on either backend is stepped in its own layout, as its own setting steps it.
   for tx in (stacked, alone):
     state, grads = tx.init(tree), _grads(tree, 0)
