@@ -96,6 +96,7 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
     return (shaped is not None and not is_skew(x) and not jax.tree_util.all_leaves([x])
             and jax.tree.structure(x) == shaped)
 
+  skew_paths, skew_tiers = [], set()  # what the patterns make of SkewAdam's own leaves
   for path, leaf in jax.tree_util.tree_flatten_with_path(
       state, is_leaf=lambda x: is_skew(x) or is_params_shaped(x))[0]:
     if is_params_shaped(leaf):
@@ -110,13 +111,8 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
         if param_labels is None:
           paths = labels_lib.flatten_with_paths(field)[0]
           tiers = [labels_lib.label_path(p, router=router, expert=expert) for p in paths]
-          if paths and not {labels_lib.EXPERT, labels_lib.ROUTER} & set(tiers):
-            raise ValueError(
-                "state_bytes_by_tier: no path of this SkewAdam state matches the expert or "
-                f"router patterns ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}), "
-                "so it cannot tell which tier SkewAdam gave each leaf. Pass the "
-                "param_labels the optimizer was built with (param_labels='backbone' for a "
-                "model without experts).")
+          skew_paths += paths
+          skew_tiers.update(tiers)
         else:
           tiers = labels_lib.resolve_labels(param_labels, field)
         for tier, x in zip(tiers, jax.tree.leaves(field)):
@@ -129,6 +125,15 @@ def state_bytes_by_tier(state, *, param_labels=None, params=None,
       tier = labels_lib.label_path(labels_lib.path_to_str(path), router=router,
                                    expert=expert)
       totals[tier] += nbytes
+  if skew_paths and not {labels_lib.EXPERT, labels_lib.ROUTER} & skew_tiers:
+    # SkewAdam keeps no record of its tiers: with custom labels every leaf would be
+    # counted as backbone in silence.
+    raise ValueError(
+        "state_bytes_by_tier: no path of this SkewAdam state matches the expert or "
+        f"router patterns ({', '.join(skew_paths[:3])}{', ...' if len(skew_paths) > 3 else ''}), "
+        "so it cannot tell which tier SkewAdam gave each leaf. Pass the "
+        "param_labels the optimizer was built with (param_labels='backbone' for a "
+        "model without experts).")
   totals["total"] = sum(totals.values())
   return totals
 
@@ -167,6 +172,9 @@ def state_bytes_per_param(tx, params) -> list[int]:
   Adafactor's statistics, ``MultiSteps`` accumulators) adds each array's
   bytes to its parameter. SkewAdam's placeholders, step counts and other
   scalars belong to no parameter and are not counted. Nothing is allocated.
+  A SkewAdam state in the stacked layout (``group_leaves="auto"`` or
+  ``"stacked"``) holds each group's arrays at the group's first leaf, so its
+  bytes are counted there; ``group_leaves=False`` gives each leaf its own.
 
   Args:
     tx: any optax ``GradientTransformation``.

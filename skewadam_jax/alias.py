@@ -294,9 +294,10 @@ def skewadam_orthogonal(
       gets ``direction`` and the tier's :data:`ORTHOGONAL_TIER_SETTINGS`
       where it does not set them; a :class:`TierConfig` is used as given.
     max_grad_norm: the global-norm clip inside the step (``None``: none).
-    param_labels, matrix_axes, nesterov, factored_eps, clip_threshold,
-      contain_nonfinite, group_leaves: as in :func:`skewadam` (named here, not
-      passed through ``**kwargs``, so ``optax.inject_hyperparams`` sees them).
+    param_labels, matrix_axes, nesterov, factored_eps: as in :func:`skewadam`.
+    clip_threshold, contain_nonfinite, group_leaves: as in :func:`skewadam`
+      (every argument is named here, none passed through ``**kwargs``, so
+      ``optax.inject_hyperparams`` binds them as it binds ``optax.adamw``'s).
 
   Its per-leaf plan: ``plan_table(params, param_labels=...,
   **orthogonal_settings(...))`` with the same arguments

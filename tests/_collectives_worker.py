@@ -22,6 +22,7 @@ import skewadam_jax  # noqa: E402,F401  (first: a quiet JAX start)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -95,7 +96,11 @@ def update_in_backward_sharded(steps: int = 2) -> dict:
   misplaced = [jax.tree_util.keystr(path) for (path, x), want in zip(
       jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(shardings.opt_state))
                if not x.sharding.is_equivalent_to(want, x.ndim)]
-  w_up = shardings.opt_state.layers[0].mu["layers"]["moe"]["experts"]["w_up"]
+  # The bank's momentum: w_gate's and w_up's share a plan and shape, so the default
+  # (stacked) layout keeps both at the first of them, with one more leading axis.
+  banks = shardings.opt_state.layers[0].mu["layers"]["moe"]["experts"]
+  w_up = next(banks[name] for name in sorted(banks)
+              if not isinstance(banks[name], optax.MaskedNode) and name != "w_down")
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
                        sharded_params, ref_params)
   return {"max_param_diff": max(jax.tree.leaves(diffs)), "misplaced": misplaced,

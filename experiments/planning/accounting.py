@@ -68,7 +68,8 @@ def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
   :func:`optimizers.make_optimizer` passes on, SkewAdam's
   :func:`skewadam_jax.leaf_plans` with the labels, matrix axes and tiers it
   is given, and the state's bytes per parameter
-  (:func:`skewadam_jax.state_bytes_per_param` of the optimizer itself). Keys
+  (:func:`skewadam_jax.state_bytes_per_param` of the optimizer itself, each
+  leaf's state laid out alone for SkewAdam). Keys
   that do not apply to ``optimizer`` are ``None``.
   """
   params = abstract_params(preset, param_dtype)
@@ -81,6 +82,9 @@ def per_leaf(preset: str, optimizer: str, *, skewadam_tiers: dict | None = None,
   observe_on = preset if sum(x.size for x in leaves) <= OBSERVE_MAX_PARAMS else "tiny"
   decayed_paths = decayed_by_path(optimizer, preset=observe_on, skewadam_tiers=skewadam_tiers)
   decayed = [decayed_paths.get(path) for path in paths]
+  if optimizer == "skewadam":  # each leaf's own bytes: stacked, a group's first leaf holds all
+    tx = optimizers.make_optimizer(optimizer, learning_rate=1e-3, axes=axes, skewadam_tiers={
+        **(skewadam_tiers or {}), "group_leaves": False})
   nbytes = skewadam_jax.state_bytes_per_param(tx, params)
   plans = (skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes, skewadam_tiers),
                                     **optimizers.tier_configs(skewadam_tiers))

@@ -151,7 +151,9 @@ REST_TIER = "orthogonal_rest_tier"
 # tiers: the update clip, the containment of non-finite gradient entries and
 # Nesterov's momentum in Adam's direction
 # (TrainConfig.update_clip, TrainConfig.contain_nonfinite, TrainConfig.nesterov).
-OPTION_KEYS = ("clip_threshold", "contain_nonfinite", "nesterov")
+# (group_leaves: the planning accounting's per-leaf bytes, which the stacked layout
+# would put at each group's first leaf)
+OPTION_KEYS = ("clip_threshold", "contain_nonfinite", "nesterov", "group_leaves")
 
 
 def skewadam_options(skewadam_tiers: dict | None) -> dict:

@@ -79,7 +79,11 @@ def test_per_leaf_plan_matches_what_the_optimizer_does(tiny_params, optimizer):
       tx, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tiny_params))["total"]
   assert 0 < total - sum(r["state_bytes"] for r in rows) <= 200  # counts and placeholders
   if optimizer == "skewadam":
-    state = tx.init(tiny_params)[0]  # skewadam clips inside its own step: no clip state
+    # each leaf's own state (the default stacks a group's at its first leaf)
+    leafwise = optimizers.make_optimizer(optimizer, learning_rate=1.0, weight_decay=0.1,
+                                         axes=steps.abstract_axes("tiny"),
+                                         skewadam_tiers={"group_leaves": False})
+    state = leafwise.init(tiny_params)[0]  # skewadam clips inside its own step: no clip state
     for row, nu in zip(rows, jax.tree.leaves(state.nu)):
       assert (row["second_moment"] == "exact") == (tuple(nu.shape) == tuple(row["shape"]))
   else:

@@ -111,3 +111,20 @@ def test_optax_state_attributed_to_tiers_by_path(params):
   for tier in sa.TIERS:
     n = sum(p.nbytes for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(labels)) if t == tier)
     assert got[tier] == 2 * n, tier
+
+
+def test_a_custom_labelled_state_is_refused_without_its_labels():
+  # #81: paths of the user's own (moe/wi) match no default pattern; counting them all as
+  # backbone ("expert: 0") would be wrong in silence.
+  import functools
+  params = {"tok": jnp.ones((16, 4)), "moe": {"gate": jnp.ones((4, 2)),
+                                              "wi": jnp.ones((2, 4, 8))}}
+  labels = functools.partial(sa.moe_param_labels, router=r"moe/gate$", expert=r"moe/wi$")
+  state = sa.skewadam(1e-3, param_labels=labels).init(params)
+  with pytest.raises(ValueError, match=r"no path of this SkewAdam state matches the expert or "
+                                       r"router patterns.*Pass the param_labels"):
+    sa.state_bytes_by_tier(state)
+  by_tier = sa.state_bytes_by_tier(state, param_labels=labels)
+  assert by_tier["expert"] > 0 and by_tier["router"] > 0
+  dense = sa.skewadam(1e-3, param_labels="backbone").init({"w": jnp.ones((4, 4))})
+  assert sa.state_bytes_by_tier(dense, param_labels="backbone")["backbone"] > 0

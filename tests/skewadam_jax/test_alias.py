@@ -148,3 +148,88 @@ def test_it_chains_like_an_optax_alias():
   updates, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
   assert float(jnp.abs(updates["w"]).max()) > 0
+
+
+# #81's tree: names of its own, a token table, a position table and a readout.
+_OWN_NAMES = {"tok/embedding": (147, 64), "pos": (64, 64), "blocks/0/attn/qkv": (64, 192),
+              "blocks/0/moe/gate": (64, 4), "blocks/0/moe/wi": (4, 64, 128),
+              "readout/kernel": (64, 147), "readout/bias": (147,)}
+
+
+def _nested(shapes):
+  tree = {}
+  for path, shape in shapes.items():
+    *parents, name = path.split("/")
+    node = tree
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[name] = jax.ShapeDtypeStruct(shape, jnp.float32)
+  return tree
+
+
+def test_the_output_side_is_found_by_its_vocabulary_and_position_tables_by_name():
+  tree = _nested(_OWN_NAMES)
+  labels = lambda t: sa.moe_param_labels(t, router=r"moe/gate$", expert=r"moe/w[io]$")  # noqa: E731
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # everything recognised: nothing to warn about
+    plans = sa.leaf_plans(tree, param_labels=labels, **sa.orthogonal_settings())
+  paths = sa.labels.flatten_with_paths(tree)[0]
+  assert {p for p, plan in zip(paths, plans) if plan.orthogonal} == {
+      "blocks/0/attn/qkv", "blocks/0/moe/wi"}
+  table = sa.plan_table(tree, param_labels=labels, **sa.orthogonal_settings())
+  rows = {line.split()[0]: line for line in table.splitlines()[1:]}
+  assert "adam (embedding)" in rows["tok/embedding"]
+  assert "adam (position embedding)" in rows["pos"]
+  assert "adam (unembedding, vocabulary 147)" in rows["readout/kernel"]
+  assert "(" not in rows["readout/bias"].split("adam")[-1]  # a vector: Adam's by its form
+  # a mask of the user's own: named as such
+  own = sa.plan_table(tree, param_labels=labels, backbone={"direction": "orthogonal"},
+                      orthogonal_mask=lambda t: jax.tree.map(lambda _: False, t))
+  own_rows = {line.split()[0]: line for line in own.splitlines()[1:]}
+  assert "adam (orthogonal_mask)" in own_rows["blocks/0/attn/qkv"]
+
+
+def test_an_embedding_without_an_output_side_is_announced():
+  # No name like an unembedding and no other matrix with the vocabulary side: the
+  # output layer, if any, would be orthogonalised; a tied model says so with embeddings=.
+  tree = _nested({"tok/embedding": (147, 64), "out": (64, 100), "moe/router": (64, 4),
+                  "moe/experts": (4, 64, 32)})
+  with pytest.warns(UserWarning, match=r"found the embedding 'tok/embedding' but no unembedding"):
+    sa.leaf_plans(tree, **sa.orthogonal_settings())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    sa.leaf_plans(tree, **sa.orthogonal_settings(embeddings=r"(^|/)tok/"))
+  # A vocabulary equal to the model width says nothing: every [D, D] matrix has it.
+  square = _nested({"tok/embedding": (64, 64), "attn": (64, 64), "moe/router": (64, 4),
+                    "moe/experts": (4, 64, 32)})
+  with pytest.warns(UserWarning, match="but no unembedding"):
+    plans = sa.leaf_plans(square, **sa.orthogonal_settings())
+  assert plans[0].orthogonal  # attn
+
+
+def test_structural_callables_under_inject_hyperparams_ask_for_static_args():
+  params = {"embed": jnp.ones((16, 4)), "lm_head": jnp.ones((4, 16)),
+            "l0": {"ffn": {"wi": jnp.ones((2, 4, 8))}, "gate": jnp.ones((4, 2))}}
+  labels = lambda t: sa.moe_param_labels(t, router="gate", expert="ffn")  # noqa: E731
+  message = r"param_labels was called with a step count.*static_args=\('param_labels',\)"
+  for factory in (sa.skewadam, sa.skewadam_orthogonal):
+    for init in (lambda tx: tx.init, lambda tx: jax.jit(tx.init)):
+      for labeller in (labels, sa.label_fn("hf")):
+        tx = optax.inject_hyperparams(factory)(learning_rate=1e-3, param_labels=labeller)
+        with pytest.raises(ValueError, match=message):
+          init(tx)(params)
+    axes = optax.inject_hyperparams(factory)(learning_rate=1e-3,
+                                             matrix_axes=sa.named_matrix_axes("hf"))
+    with pytest.raises(ValueError, match=r"matrix_axes was called with a step count"):
+      axes.init(params)
+    # named static: the experts are the expert tier, jitted and stepped
+    tx = optax.inject_hyperparams(factory, static_args=("param_labels",))(
+        learning_rate=1e-3, param_labels=labels)
+    state = jax.jit(tx.init)(params)
+    by_tier = sa.state_bytes_by_tier(state, param_labels=labels)
+    assert by_tier["expert"] > 0 and by_tier["router"] > 0
+    jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  # a labeller written without the library's functions, returning an array: refused too
+  with pytest.raises(ValueError, match="param_labels was called with a step count"):
+    optax.inject_hyperparams(sa.skewadam)(
+        learning_rate=1e-3, param_labels=lambda t: jnp.zeros(())).init(params)

@@ -169,3 +169,17 @@ def test_a_python_number_leaf_steps_as_a_0d_array_does():
   updates, _ = sa.skewadam(1e-2).update(grads, as_number, {"w": jnp.ones((4, 4)), "s": 1.0})
   want, _ = sa.skewadam(1e-2).update(grads, as_array, {"w": jnp.ones((4, 4)), "s": jnp.asarray(1.0)})
   assert_trees_equal(updates, want)
+
+
+def test_a_state_restored_without_a_target_is_told_how_to_restore_it():
+  # What orbax gives back without an abstract target: plain containers, not the NamedTuple.
+  params = {"w": jnp.ones((4, 4))}
+  tx = sa.scale_by_skewadam(param_labels="backbone")
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  for raw in (state._asdict(), list(state), tuple(state)):
+    with pytest.raises(ValueError, match=r"plain (dict|list|tuple).*restored without a target.*"
+                                         r"tx\.init\(params\)"):
+      tx.update(grads, raw)
+  with pytest.raises(ValueError, match="another optimizer"):
+    tx.update(grads, optax.scale_by_adam().init(params))
