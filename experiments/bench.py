@@ -224,7 +224,8 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
   :func:`outputs_only_update` (its state's arrays written with no math),
   :func:`stacking_only_update` (the grouped row's stacking and slicing with no math
   between them), and ``group_leaves="stacked"`` (grouped, each group's state
-  kept stacked: the default on every backend). Nothing is allocated or run. ``target``: a planner target
+  kept stacked: the default on every backend), and ``skewadam_orthogonal`` as
+  a user calls it. Nothing is allocated or run. ``target``: a planner target
   (``"a100-40gb"`` compiles with XLA:GPU, deviceless); ``"cpu"`` (default)
   with this machine's XLA:CPU.
   """
@@ -252,7 +253,11 @@ def compile_times(tree, *, rounds: int = 2, target: str = "cpu") -> dict:
          # Grouped, each group's state kept stacked: only gradients stacked, updates
          # sliced (the default on every backend since 0.3.0).
          "skewadam, state stacked": lambda: skewadam_jax.skewadam(
-             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves="stacked")}
+             1e-3, param_labels=skewadam_jax.label_fn("hf"), group_leaves="stacked"),
+         # The recommended optimizer as a user calls it (Newton-Schulz, low-rank
+         # expert momentum), in the default's layout.
+         "skewadam_orthogonal": lambda: skewadam_jax.skewadam_orthogonal(
+             1.5e-2, param_labels=skewadam_jax.label_fn("hf"))}
   times = {name: {"trace_s": [], "compile_s": []} for name in txs}
   hlo_lines = {}
   for _ in range(rounds):

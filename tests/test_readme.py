@@ -365,7 +365,8 @@ def test_the_figures_at_a_glance_are_the_results_files():
       f"the CPU's default before 0.3.0): {ratio(times, 'skewadam')}; "
       f"grouped: {ratio(times, 'skewadam, leaves grouped')}, of which stacking and slicing "
       f"with no math {ratio(times, 'skewadam grouped, no math')}; "
-      f"the same math by hand, no library: {ratio(times, 'the same math by hand')})",
+      f"the same math by hand, no library: {ratio(times, 'the same math by hand')}; "
+      f"`skewadam_orthogonal`: {ratio(times, 'skewadam_orthogonal')})",
       f"{total['optax.adamw']:.2f} s"]
   gpu = json.loads((RESULTS / "bench-runs" / "compile-time-a100.json").read_text())
   assert gpu["target"] == "a100-40gb" and gpu["warning"] is None

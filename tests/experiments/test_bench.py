@@ -102,7 +102,8 @@ def test_compile_times_of_a_per_expert_tree():
     result = bench.compile_times(tree, rounds=1, target=target)
     assert result["leaves"] == 15 and set(result["rows"]) == {
         "optax.adamw", "skewadam", "skewadam, leaves grouped", "the same math by hand",
-        "skewadam's outputs, no math", "skewadam grouped, no math", "skewadam, state stacked"}
+        "skewadam's outputs, no math", "skewadam grouped, no math", "skewadam, state stacked",
+        "skewadam_orthogonal"}
     assert (result["target"], result["warning"]) == (target, None)
     assert result["rows"]["optax.adamw"]["total_ratio_to_adamw"] == 1.0
     for row in result["rows"].values():
