@@ -12,7 +12,19 @@
 # against 432, temp bytes within 1 %), and XLA:CPU uses no fast-math, so float
 # results move by summation-order round-off at most. The GPU and TPU targets'
 # programs, where the planner's figures come from, do not read these flags.
-COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+def _jaxlib_version() -> tuple[int, ...]:
+  """jaxlib's (major, minor), read without importing JAX (the flags must be set first)."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  try:
+    return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
+  except (metadata.PackageNotFoundError, ValueError):
+    return (0, 0)
+
+
+# jaxlib 0.12 has no legacy emitters, and XLA exits on a flag it does not know
+# ("Unknown flag in XLA_FLAGS", exit status 1, before any test reports).
+COMPILE_FLAGS = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if _jaxlib_version() < (0, 12) else "")
 
 
 def with_devices(devices: int) -> str:

@@ -224,8 +224,14 @@ def test_the_layer_loop_writes_each_update_over_its_gradient_slice():
   state = tx.init(g)
   [scan] = [e for e in jax.make_jaxpr(tx.update)(g, state).jaxpr.eqns
             if e.primitive.name == "scan"]
-  carried = scan.outvars[:scan.params["num_carry"]]
-  stacked = scan.outvars[scan.params["num_carry"]:]
+  # jax 0.12's scan describes its outputs in ft_out: (carries, stacked outputs), a
+  # lone carry as None
+  if "num_carry" in scan.params:
+    num_carry = scan.params["num_carry"]
+  else:
+    carries = scan.params["ft_out"][0]
+    num_carry = 1 if carries is None else len(carries)
+  carried, stacked = scan.outvars[:num_carry], scan.outvars[num_carry:]
   assert [v.aval.shape for v in carried] == [(5, 3, 6, 8)]
   assert all(v.aval.size < g["wi"].size for v in stacked)  # the momentum's compact parts
 
