@@ -38,9 +38,9 @@ EMBEDDING_PATTERNS = (
 
 # Which of those names an output side (an unembedding) or a position table: the
 # rest are input embeddings, whose rows give the vocabulary size.
-_OUTPUT_NAMES = r"(^|/)(unembed|unembedding|lm_head|logits_dense|output_embedding)(/|$)"
-_POSITION_NAMES = (r"(^|/)(wpe|position_embedding|position_embeddings|pos|pos_emb|pos_embed|"
-                   r"pos_embedding|positional_embedding)(/|$)")
+_OUTPUT_NAMES = re.compile(r"(^|/)(unembed|unembedding|lm_head|logits_dense|output_embedding)(/|$)")
+_POSITION_NAMES = re.compile(r"(^|/)(wpe|position_embedding|position_embeddings|pos|pos_emb|"
+                             r"pos_embed|pos_embedding|positional_embedding)(/|$)")
 
 # What skewadam_orthogonal gives the backbone and expert tiers beyond their
 # direction, where a tier is None or a dict that does not set the key: the
@@ -117,16 +117,18 @@ class EmbeddingMask:
     """Per leaf, in flattening order: why it keeps Adam's direction, or ``None``."""
     labels_lib.refuse_step_count(tree, "orthogonal_mask")
     paths, leaves, _ = labels_lib.flatten_with_paths(tree)
+    return self._roles(paths, leaves)
+
+  def _roles(self, paths: list[str], leaves: list[Any]) -> list[Optional[str]]:
     paths = [path.replace(".", "/") for path in paths]
-    search = lambda pattern, path: re.search(pattern, path) is not None  # noqa: E731
     roles: list[Optional[str]] = []
     vocabularies = set()
     for path, leaf in zip(paths, leaves):
       if not any(p.search(path) for p in self._compiled):
         roles.append(None)
-      elif search(_OUTPUT_NAMES, path):
+      elif _OUTPUT_NAMES.search(path):
         roles.append("unembedding")
-      elif search(_POSITION_NAMES, path):
+      elif _POSITION_NAMES.search(path):
         roles.append("position embedding")
       else:
         roles.append("embedding")
@@ -142,8 +144,9 @@ class EmbeddingMask:
     return roles
 
   def __call__(self, tree):
+    labels_lib.refuse_step_count(tree, "orthogonal_mask")
     paths, leaves, treedef = labels_lib.flatten_with_paths(tree)
-    roles = self.roles(tree)
+    roles = self._roles(paths, leaves)
     if leaves:
       if not any(roles):
         warnings.warn(

@@ -168,7 +168,7 @@ def default_matrix_axes(tree):
 
 
 def _guess(path: str, shape) -> Optional[MatrixAxes]:
-  if len(shape) < 2 or _VECTOR_NAME.search(path.replace(".", "/").rsplit("/", 1)[-1]):
+  if len(shape) < 2 or _VECTOR_NAME.search(_names(path.replace(".", "/"))[0]):
     return None
   return MatrixAxes()
 

@@ -18,7 +18,6 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from skewadam_jax import accounting
 from skewadam_jax import axes as axes_lib
@@ -91,7 +90,8 @@ def _masked_off_reasons(params, plans, skewadam_kwargs) -> list:
   leaves = jax.tree.leaves(params)
   return [(role or "orthogonal_mask")
           if (directions[plan.tier] in transform.ORTHOGONAL_DIRECTIONS and plan.axes is not None
-              and not plan.orthogonal and not jnp.iscomplexobj(jnp.zeros((), leaf.dtype)))
+              and not plan.orthogonal
+              and not transform._is_complex(leaf))  # pylint: disable=protected-access
           else None
           for plan, leaf, role in zip(plans, leaves, roles)]
 
