@@ -20,6 +20,7 @@ Everything else (embeddings, attention, norms, unembedding) is backbone.
 """
 
 from models import axes
+from models import grouped
 from models.axes import logical_axes
 from models.config import MOE_IMPLS, PRESETS, PRESETS_DIR, ModelConfig, get_preset, load_preset_file
 from models.moe import (
@@ -54,7 +55,7 @@ from models.transformer import (
 )
 
 __all__ = [
-    'axes', 'logical_axes', 'abstract_params', 'MOE_IMPLS', 'PRESETS', 'PRESETS_DIR', 'ModelConfig', 'get_preset', 'load_preset_file',
+    'axes', 'grouped', 'logical_axes', 'abstract_params', 'MOE_IMPLS', 'PRESETS', 'PRESETS_DIR', 'ModelConfig', 'get_preset', 'load_preset_file',
     'EXPERT_IMPLS', 'MoE', 'Experts', 'Router', 'expert_fraction',
     'experts_blocked', 'experts_dense', 'experts_ragged',
     'load_balancing_loss', 'route', 'router_z_loss',

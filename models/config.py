@@ -57,7 +57,9 @@ class ModelConfig:
       an ``expert`` axis, computing each expert where it lives
       (``models/expert_parallel.py``; locally without such a mesh).
     moe_block_size: Rows per block for ``moe_impl='blocked'`` and
-      ``'expert_parallel'``.
+      ``'expert_parallel'``; ``0`` sizes the blocks to the batch
+      (:func:`models.grouped.auto_block_size`: the largest power of two whose
+      padding bound, ``E`` blocks' worth, is at most an eighth of the rows).
     lb_loss_coef: Weight of the Switch/GShard load-balancing loss.
     z_loss_coef: Weight of the ST-MoE router z-loss.
     remat: Rematerialise each layer in the backward pass (``nnx.remat``).
@@ -81,7 +83,7 @@ class ModelConfig:
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.bfloat16
   moe_impl: str = 'ragged'
-  moe_block_size: int = 256
+  moe_block_size: int = 0
   lb_loss_coef: float = 0.01
   z_loss_coef: float = 1e-3
   remat: bool = True
@@ -111,8 +113,9 @@ class ModelConfig:
           f' {ATTENTION_IMPLS}')
     if self.loss_chunk_size < 0:
       raise ValueError(f'loss_chunk_size must be >= 0, got {self.loss_chunk_size}')
-    if self.moe_block_size < 1:
-      raise ValueError(f'moe_block_size must be >= 1, got {self.moe_block_size}')
+    if self.moe_block_size < 0:
+      raise ValueError(
+          f'moe_block_size must be >= 0 (0: sized to the batch), got {self.moe_block_size}')
 
   @property
   def head_dim(self) -> int:

@@ -32,41 +32,30 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from models import grouped
+
 EXPERT_AXIS = 'expert'
 TOKEN_AXES = ('data', 'expert')  # the mesh axes the tokens are split over
-
-
-def block_layout(group_sizes_E: jax.Array, block_size: int, num_blocks: int):
-  """Where each group's rows go when every group is padded to whole blocks.
-
-  Returns:
-    ``(padded_start_E, padded_end_E, block_group_B)``: the first padded row
-    of each group, the end of each group's padded rows, and the group owning
-    each of ``num_blocks`` blocks (blocks past the last group get ``E``).
-  """
-  padded_sizes_E = -(-group_sizes_E // block_size) * block_size
-  padded_end_E = jnp.cumsum(padded_sizes_E)
-  block_group_B = jnp.searchsorted(padded_end_E, jnp.arange(num_blocks) * block_size,
-                                   side='right')
-  return padded_end_E - padded_sizes_E, padded_end_E, block_group_B
 
 
 def grouped_swiglu(x_ND, group_N, w_gate, w_up, w_down, *, block_size: int):
   """``y_n = SwiGLU_{group_n}(x_n)`` per row; rows with ``group_n >= E`` give 0.
 
   Rows are sorted by group and each group padded to whole blocks of
-  ``block_size`` rows; a scan over the ``N // block_size + E`` blocks (enough
-  for any grouping) runs one expert per block and skips, by ``lax.cond``,
-  the blocks that hold no row, so the work follows the real rows. The body
-  is checkpointed, as in ``models.moe.experts_blocked``.
+  ``block_size`` rows (``0``: :func:`models.grouped.auto_block_size` of the
+  rows); a scan over the ``N // block_size + E`` blocks (enough for any
+  grouping) runs one expert per block (:func:`models.grouped.scan_blocks`)
+  and skips, by ``lax.cond``, the blocks that hold no row, so the work
+  follows the real rows.
   """
   n, D = x_ND.shape
   num_groups = w_gate.shape[0]
+  block_size = grouped.resolve_block_size(block_size, n, num_groups)
   num_blocks = n // block_size + num_groups
   order_N = jnp.argsort(group_N, stable=True)  # out-of-range rows sort last
   sorted_group_N = group_N[order_N]
   group_sizes_E = jnp.bincount(group_N, length=num_groups).astype(jnp.int32)
-  padded_start_E, padded_end_E, block_group_B = block_layout(
+  padded_start_E, _, block_group_B = grouped.block_layout(
       group_sizes_E, block_size, num_blocks)
   group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
   valid_N = sorted_group_N < num_groups
@@ -77,21 +66,9 @@ def grouped_swiglu(x_ND, group_N, w_gate, w_up, w_down, *, block_size: int):
                     - group_start_E[safe_group_N], capacity)
   src_P = jnp.full((capacity + 1,), n, jnp.int32).at[row_N].set(order_N)[:capacity]
   x_PD = jnp.concatenate([x_ND, jnp.zeros((1, D), x_ND.dtype)])[src_P]
-  real_B = block_group_B < num_groups
-
-  def block_ffn(carry, xs):
-    x_bD, e, real = xs
-    e = jnp.minimum(e, num_groups - 1)
-
-    def compute(x_bD):
-      h_bF = jax.nn.silu(x_bD @ w_gate[e]) * (x_bD @ w_up[e])
-      return h_bF @ w_down[e]
-    return carry, jax.lax.cond(real, compute, jnp.zeros_like, x_bD)
-
-  _, y_BbD = jax.lax.scan(
-      jax.checkpoint(block_ffn, prevent_cse=False), None,
-      (x_PD.reshape(num_blocks, block_size, D), block_group_B, real_B))
-  y_PD = jnp.concatenate([y_BbD.reshape(capacity, D), jnp.zeros((1, D), y_BbD.dtype)])
+  y_PD = grouped.scan_blocks(x_PD, block_group_B, w_gate, w_up, w_down,
+                             block_size=block_size, real_B=block_group_B < num_groups)
+  y_PD = jnp.concatenate([y_PD, jnp.zeros((1, D), y_PD.dtype)])
   row_of_input_N = jnp.zeros_like(row_N).at[order_N].set(row_N)
   return y_PD[row_of_input_N]
 
@@ -139,6 +116,9 @@ def _local_experts(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *, block_
   x_TD, w_gate, w_up, w_down = jax.lax.optimization_barrier((x_TD, w_gate, w_up, w_down))
   recv_xd, recv_e, dest_N, slot_N = dispatch(
       x_TD, experts_TK, local_experts=w_gate.shape[0], num_devices=num_devices)
+  # Sized to the rows a device receives on average (its own T·k), not to the
+  # worst-case receive buffer (n times that).
+  block_size = grouped.resolve_block_size(block_size, T * K, w_gate.shape[0])
   y_RD = grouped_swiglu(recv_xd.reshape(-1, D), recv_e.reshape(-1),
                         w_gate, w_up, w_down, block_size=block_size)
   y_xd = y_RD.reshape(recv_xd.shape)
@@ -151,7 +131,7 @@ def _local_experts(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *, block_
 
 
 def experts_expert_parallel(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *,
-                            block_size: int = 256, **_):
+                            block_size: int = 0, **_):
   """The expert computation of ``moe_impl='expert_parallel'`` (module docstring).
 
   Same contract as ``models.moe.EXPERT_IMPLS``: ``y_TD = Σ_j w_tj ·

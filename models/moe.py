@@ -36,7 +36,8 @@ from flax import nnx
 
 from models.axes import EMBED, EXPERTS, MLP, param_with_axes
 from models.config import ModelConfig
-from models.expert_parallel import block_layout, experts_expert_parallel
+from models import grouped
+from models.expert_parallel import experts_expert_parallel
 
 # Router in full float32: on GPUs the default f32 matmul may use TF32.
 _ROUTER_PRECISION = jax.lax.Precision.HIGHEST
@@ -163,24 +164,27 @@ def experts_ragged(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, **_):
 
 
 def experts_blocked(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *,
-                    block_size: int = 256, **_):
-  """Sorted assignments in fixed-size single-expert blocks, scanned.
+                    block_size: int = 0, **_):
+  """Sorted assignments in single-expert blocks, scanned (:mod:`models.grouped`).
 
-  Each expert's group is padded to a multiple of ``block_size`` rows, so every
-  block belongs to one expert whose weights are gathered inside the scan body.
-  The body is checkpointed so those gathered weights are not kept as
-  residuals for the backward pass: memory is O(block) instead of O(E * T*k)
-  (what XLA:GPU makes of ragged_dot). Padding rows are zeros and contribute
+  Each expert's group is padded to a multiple of ``block_size`` rows
+  (``0``: :func:`models.grouped.auto_block_size` of the batch's ``T·k``
+  assignments), so every block belongs to one expert whose weights are
+  gathered inside the scan body. The body saves only its two projections
+  for the backward pass, never the gathered weights: memory is
+  O(activations) instead of O(E * T*k) (what XLA:GPU makes of ragged_dot)
+  and no matmul is recomputed. Padding rows are zeros and contribute
   nothing to outputs or gradients. The static block count
   ``T*k // block_size + E`` bounds ``sum_e ceil(n_e / block_size)``.
   """
   T, K = experts_TK.shape
   num_experts, D, _ = w_gate.shape
   n = T * K
+  block_size = grouped.resolve_block_size(block_size, n, num_experts)
   num_blocks = n // block_size + num_experts
   order_N, token_N, group_sizes_E = _sort_by_expert(experts_TK, num_experts)
 
-  padded_start_E, _, block_expert_B = block_layout(
+  padded_start_E, _, block_expert_B = grouped.block_layout(
       group_sizes_E, block_size, num_blocks)
   group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
   expert_N = experts_TK.reshape(-1)[order_N]
@@ -190,18 +194,8 @@ def experts_blocked(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *,
   # Padding rows read token T: an appended zero row.
   src_P = jnp.full((num_blocks * block_size,), T, jnp.int32).at[row_N].set(token_N)
   x_PD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[src_P]
-  # Trailing all-padding blocks get E, clipped to any valid id.
-  block_expert_B = jnp.minimum(block_expert_B, num_experts - 1)
-
-  def block_ffn(carry, xs):
-    x_bD, e = xs
-    h_bF = jax.nn.silu(x_bD @ w_gate[e]) * (x_bD @ w_up[e])
-    return carry, h_bF @ w_down[e]
-
-  _, y_BbD = jax.lax.scan(
-      jax.checkpoint(block_ffn, prevent_cse=False), None,
-      (x_PD.reshape(num_blocks, block_size, D), block_expert_B))
-  y_PD = y_BbD.reshape(num_blocks * block_size, D)
+  y_PD = grouped.scan_blocks(x_PD, block_expert_B, w_gate, w_up, w_down,
+                             block_size=block_size)
   # Row of each assignment (t, j), in original order; one gather unsorts.
   row_of_assignment_N = jnp.zeros_like(row_N).at[order_N].set(row_N)
   y_TKD = y_PD[row_of_assignment_N].reshape(T, K, D)

@@ -136,7 +136,9 @@ class TrainConfig:
                                       "(default: the preset's)", structural=True,
                                       choices=PARAM_DTYPES, kind=str)
   moe_block_size: int | None = setting(None, "rows per block of the blocked and "
-                                       "expert-parallel MoE (default: the preset's)",
+                                       "expert-parallel MoE (0: sized to the batch, "
+                                       "models.grouped.auto_block_size; default: the "
+                                       "preset's)",
                                        structural=True, kind=int)
   remat: bool | None = setting(None, "rematerialise each layer in the backward pass "
                                "(--no-remat: keep its activations; default: the preset's)",

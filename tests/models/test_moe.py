@@ -21,8 +21,9 @@ def _config(impl, **kw):
 # Block sizes for 'blocked': several blocks per expert with padding, and one
 # block larger than all assignments.
 IMPLS = [('dense', {}), ('ragged', {}),
-         ('blocked', {'moe_block_size': 3}), ('blocked', {'moe_block_size': 64})]
-IMPL_IDS = ['dense', 'ragged', 'blocked3', 'blocked64']
+         ('blocked', {'moe_block_size': 3}), ('blocked', {'moe_block_size': 64}),
+         ('blocked', {'moe_block_size': 0})]
+IMPL_IDS = ['dense', 'ragged', 'blocked3', 'blocked64', 'blocked_auto']
 
 
 def _reference(params, x_BTD, chosen_TK, r_BTD, top_k):
