@@ -77,6 +77,8 @@ def _human(nbytes: int) -> str:
 
 
 STEP_FIELDS = ("update_in_backward", "clip_mode", "skip_nonfinite", "stochastic_rounding")
+# Passed to the planner as the run's settings (--batch-size is then each micro-batch's).
+ACCUMULATE_FIELDS = ("accumulate", "accumulate_dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--param-dtype", default="bfloat16")
   parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
   # The settings that change the step, with the training command's flags.
-  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS + config_lib.MODEL_FIELDS
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS + STEP_FIELDS + ACCUMULATE_FIELDS
+                       + config_lib.MODEL_FIELDS
                        + config_lib.MODEL_OPTIONS)
   parser.add_argument("--device-memory-gb", type=float, default=None,
                       help="check the fit against a device of this many GB (default: "
@@ -174,7 +177,7 @@ def _settings(args, file_values: dict) -> dict:
   settings = {k: v for k, v in file_values.items() if k not in own}
   settings.update({name: getattr(args, name)
                    for name in config_lib.MODEL_FIELDS + config_lib.MODEL_OPTIONS
-                   if getattr(args, name) is not None})
+                   + ACCUMULATE_FIELDS if getattr(args, name) is not None})
   return settings
 
 
@@ -188,6 +191,9 @@ def _print_report(report: dict) -> None:
     mesh = report["mesh"]
     where = (f"{report['devices']} x {where}, mesh data={mesh['data']} x "
              f"expert={mesh['expert']}{', fsdp' if report['fsdp'] else ''}")
+  if report.get("accumulate", 1) > 1:
+    mode += (f", {report['accumulate']} micro-batches a step ({report['accumulate_dtype']} "
+             f"accumulator)")
   print(f"{report['preset']} ({report['num_params']:,} params, {report['param_dtype']}), "
         f"{report['optimizer']}{mode}, batch {report['batch']} x {report['seq']}, "
         f"compiled for {where}")
@@ -206,6 +212,13 @@ def _print_report(report: dict) -> None:
           f"{g(x['alias'])}, temp {g(x['temp'])} -> peak {g(report['peak_bytes'])}")
   print(f"  matrix-multiply FLOPs per step: {report['matmul_flops']:.3e}, useful "
         f"{report['useful_flops']:.3e} (efficiency {report['flops_efficiency']:.2f})")
+  print(f"  of which the model (forward, backward, recompute, padding): "
+        f"{report['model_matmul_flops']:.3e} = {report['model_flops_per_useful']:.2f}x useful; "
+        f"the optimizer: {report['optimizer_matmul_flops']:.3e}")
+  largest = report.get("model_flops_at_largest_batch")
+  if largest:
+    print(f"  the model at the largest batch ({largest['batch']}): "
+          f"{largest['model_matmul_flops']:.3e} = {largest['model_flops_per_useful']:.2f}x useful")
   ortho = report.get("orthogonalisation")
   if ortho:
     size, rows, cols = ortho["chunk"]

@@ -49,6 +49,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import models
 import skewadam_jax
@@ -424,9 +425,10 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
   train_step = step.train_step
   if devices is None and target in TPU_TARGETS:
     devices = 1
+  rows = batch * config.accumulate  # the step's batch: its micro-batches together
   if devices is None:
     sharding, warning = target_sharding(target)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
+    tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=sharding)
     args = (with_sharding(params, sharding), with_sharding(opt_state, sharding), tokens, tokens)
     kwargs = _step_kwargs(config)
     # XLA warns when rematerialisation cannot reach its own memory target; the
@@ -448,7 +450,7 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
   shardings = mesh_lib.train_shardings(
       device_mesh, step.tx, params, axes=steps_lib.abstract_axes(config.preset), fsdp=fsdp,
       expert_parallel=expert_parallel, state_shardings=step.state_shardings)
-  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
   kwargs = _step_kwargs(config)
   flops = _step_matmul_flops(train_step, (params, opt_state, tokens, tokens), kwargs)
   try:
@@ -530,6 +532,37 @@ def useful_flops(config, batch: int, seq: int) -> int:
   active = counts["total"] - config.vocab_size * config.d_model - skipped
   tokens = batch * seq
   return 6 * active * tokens + 6 * config.num_layers * batch * seq * seq * config.d_model
+
+
+def model_matmul_flops(config, batch: int, seq: int) -> int:
+  """:func:`matmul_flops` of the model alone: the loss and its gradient, no optimizer.
+
+  The same count a standard train step makes of its forward and backward
+  passes (remat's recompute and the MoE lowering's padding included), from
+  the model's jaxpr at ``batch`` x ``seq``; nothing is compiled, so any batch
+  is cheap to count. The step's count less this one is the optimizer's.
+
+  Example:
+    >>> cfg = models.get_preset("tiny", moe_impl="blocked", remat=False)
+    >>> model_matmul_flops(cfg, 2, 8) >= useful_flops(cfg, 2, 8)
+    True
+  """
+  graphdef, params, rest, _ = steps_lib.abstract_split(config)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+  def loss_and_grad(params, inputs, targets):
+    loss = lambda p: models.lm_loss(nnx.merge(graphdef, p, rest), inputs, targets)
+    return jax.value_and_grad(loss, has_aux=True)(params)
+  return matmul_flops(loss_and_grad, params, tokens, tokens)
+
+
+def model_flops_report(config, batch: int, seq: int, accumulate: int = 1) -> dict:
+  """The model's matmul FLOPs at ``batch`` (times ``accumulate`` micro-batches)
+  beside the useful ones, and their ratio."""
+  counted = accumulate * model_matmul_flops(config, batch, seq)
+  useful = useful_flops(config, batch * accumulate, seq)
+  return {"batch": batch, "model_matmul_flops": counted, "useful_flops": useful,
+          "model_flops_per_useful": counted / useful}
 
 
 def matmul_flops(fn, *args) -> int:
@@ -697,12 +730,16 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
   margin_bytes = int(margin_gb * GB)
   peak = _peak(compiled)
   counted = compiled["matmul_flops"]
-  useful = useful_flops(config, batch, seq)
+  accumulate = run_config.accumulate
+  useful = useful_flops(config, batch * accumulate, seq)
+  model_flops = model_flops_report(config, batch, seq, accumulate)
   collectives = compiled.get("collectives")
   device_flops = compiled["device_matmul_flops"]
   report = {
       "preset": preset, "optimizer": optimizer, "skewadam_tiers": skewadam_tiers or {},
-      "target": target, "batch": batch, "seq": seq,
+      "target": target, "batch": batch, "seq": seq, "accumulate": accumulate,
+      "accumulate_dtype": run_config.accumulate_dtype if accumulate > 1 else None,
+      "tokens_per_step": batch * accumulate * seq,
       "param_dtype": jnp.dtype(param_dtype).name,
       "update_in_backward": update_in_backward,
       "clip_mode": clip_mode if update_in_backward else None,
@@ -720,6 +757,10 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "xla": {k: v for k, v in (compiled["xla"] or {}).items() if k != "peak"} or None,
       "matmul_flops": counted, "useful_flops": useful,
       "flops_efficiency": useful / counted if counted else None,
+      "model_matmul_flops": model_flops["model_matmul_flops"],
+      "model_flops_per_useful": model_flops["model_flops_per_useful"],
+      "optimizer_matmul_flops": counted - model_flops["model_matmul_flops"],
+      "model_flops_at_largest_batch": None,
       "device_matmul_flops": device_flops,
       "hardware_flops_efficiency": (useful / ((devices or 1) * device_flops)
                                     if device_flops else None),
@@ -760,6 +801,9 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     report["max_batch_that_fits"] = data * max_batch_that_fits(
         peak_at, device_bytes, margin_bytes, limit=max(1, 1024 // data))
     report["peak_bytes_by_batch"] = {str(b): p for b, p in sorted(peaks.items())}
+    if report["max_batch_that_fits"]:
+      report["model_flops_at_largest_batch"] = model_flops_report(
+          config, report["max_batch_that_fits"], seq, accumulate)
   return report
 
 

@@ -69,7 +69,15 @@ class TrainConfig:
   optimizer: str = setting("skewadam", "optimizer", structural=True,
                            choices=tuple(optimizers.OPTIMIZERS))
   steps: int = setting(600, "training steps (the schedule's length)", structural=True)
-  batch_size: int = setting(16, "sequences per step", structural=True)
+  batch_size: int = setting(16, "sequences per step (per micro-batch with --accumulate)",
+                            structural=True)
+  accumulate: int = setting(1, "micro-batches of --batch-size sequences summed into one "
+                            "optimizer step (gradient accumulation; the step's batch is "
+                            "their product)", structural=True)
+  accumulate_dtype: str = setting("float32", "dtype of the gradient accumulator with "
+                                  "--accumulate: 'float32' or 'params' (the parameters' "
+                                  "dtype: half the memory with bfloat16 parameters)",
+                                  structural=True, choices=("float32", "params"))
   seq_len: int | None = setting(None, "tokens per sequence (default: the preset's "
                                 "maximum)", structural=True, kind=int)
   lr: float | None = setting(None, "peak learning rate (default: the optimizer's "
@@ -419,7 +427,7 @@ class TrainConfig:
       raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
     if self.sample_tokens < 0:
       raise ValueError(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
-    for name in ("steps", "batch_size", "eval_batches", "eval_every",
+    for name in ("steps", "batch_size", "accumulate", "eval_batches", "eval_every",
                  "ckpt_every", "log_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
@@ -454,6 +462,13 @@ class TrainConfig:
       raise ValueError("--fsdp splits parameters over a mesh: give --mesh too")
     if self.clip_mode not in ("exact", "stale"):
       raise ValueError(f"--clip-mode must be exact or stale, got {self.clip_mode!r}")
+    if self.accumulate_dtype not in ("float32", "params"):
+      raise ValueError(f"--accumulate-dtype must be float32 or params, "
+                       f"got {self.accumulate_dtype!r}")
+    if self.update_in_backward and self.accumulate > 1:
+      raise ValueError("--accumulate needs a gradient buffer to sum micro-batches into; "
+                       "--update-in-backward keeps none (each layer's gradient is applied "
+                       "as soon as it is computed)")
     if self.update_in_backward:
       if self.skip_nonfinite and self.clip_mode != "exact":
         raise ValueError("--skip-nonfinite with --update-in-backward needs --clip-mode "
@@ -760,7 +775,7 @@ SECTIONS = {
                   "weight_decay", "b1", "muon_momentum", "clip_norm", "stochastic_rounding",
                   "skip_nonfinite",
                   *TIER_FIELDS),
-    "data": ("data", "val_fraction", "batch_size", "seq_len"),
+    "data": ("data", "val_fraction", "batch_size", "accumulate", "accumulate_dtype", "seq_len"),
     "parallel": ("mesh", "fsdp"),
     "layerwise": ("update_in_backward", "clip_mode"),
     "run": ("steps", "seed", "eval_every", "eval_batches", "ckpt_every", "log_every",

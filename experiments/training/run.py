@@ -107,7 +107,8 @@ class Run:
     corpus = self.data.info["path"]
     try:
       self.dataset = data_lib.TokenDataset(
-          self.data.train_tokens, seq_len=seq_len, batch_size=config.batch_size,
+          self.data.train_tokens, seq_len=seq_len,
+          batch_size=config.batch_size * config.accumulate,
           seed=config.seed)
     except data_lib.DataError as err:
       raise data_lib.DataError(f"{corpus}: training split too short: {err}") from None
@@ -159,7 +160,8 @@ class Run:
       return self.dataset.batch_at(step)
     return mesh_lib.batch_from_rows(
         lambda rows: self.dataset.batch_at(step, rows=rows),
-        (self.config.batch_size, self.seq_len), self.spmd.shardings.batch)
+        (self.config.batch_size * self.config.accumulate, self.seq_len),
+        self.spmd.shardings.batch)
 
   def init_state(self):
     if self.spmd is not None:
@@ -281,7 +283,7 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
   if is_chief:
     records = read_metrics(metrics_path, start) if resume else []
     write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
-  tokens_per_step = config.batch_size * run.seq_len
+  tokens_per_step = config.batch_size * config.accumulate * run.seq_len
   end = config.steps if stop_after is None else min(stop_after, config.steps)
   meta = {"config": config_dict, "data_fingerprint": run.data_fingerprint}
   skip = config.skip_nonfinite

@@ -89,10 +89,13 @@ def make_tx(config, axes, schedule=None) -> optax.GradientTransformation:
   return tx
 
 
-def standard_step(graphdef, rest, tx, *, stochastic_rounding: bool = False) -> TrainStep:
+def standard_step(graphdef, rest, tx, *, stochastic_rounding: bool = False,
+                  accumulate: int = 1, accumulate_dtype: str = "float32") -> TrainStep:
   """The standard step (:func:`make_step_fns`) of ``tx`` as a :class:`TrainStep`."""
   train_step, eval_step = make_step_fns(graphdef, rest, tx,
-                                        stochastic_rounding=stochastic_rounding)
+                                        stochastic_rounding=stochastic_rounding,
+                                        accumulate=accumulate,
+                                        accumulate_dtype=accumulate_dtype)
   return TrainStep(tx, train_step, eval_step, tx.init,
                    lambda p, s: skewadam_jax.state_shardings(tx, p, s), None)
 
@@ -117,7 +120,9 @@ def build_step(config, graphdef, rest, params, axes, *, schedule=None) -> TrainS
   """
   tx = make_tx(config, axes, schedule)
   if not config.update_in_backward:
-    return standard_step(graphdef, rest, tx, stochastic_rounding=config.stochastic_rounding)
+    return standard_step(graphdef, rest, tx, stochastic_rounding=config.stochastic_rounding,
+                         accumulate=config.accumulate,
+                         accumulate_dtype=config.accumulate_dtype)
   return layerwise_step(graphdef, rest, tx, params, clip_norm=config.clip_norm,
                         clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
                         stochastic_rounding=config.stochastic_rounding)
@@ -145,7 +150,66 @@ def layerwise_step(graphdef, rest, tx, params, **options) -> TrainStep:
   return TrainStep(tx, train_step, eval_step, engine.init, engine.state_shardings, engine)
 
 
-def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
+def accumulated_value_and_grad(loss_fn, accumulate: int, accumulate_dtype: str = "float32"):
+  """``loss_fn``'s mean value and gradient over ``accumulate`` micro-batches of its batch.
+
+  ``loss_fn(params, inputs, targets) -> (loss, metrics)`` for a batch of
+  ``[B, T]`` token ids. The returned function splits the ``[K·b, T]``
+  batch it is given into ``K = accumulate`` micro-batches of ``b`` rows
+  (micro-batch ``k`` holds rows ``k, K + k, 2K + k, ...``, so a batch split
+  over a mesh's ``data`` axis stays split the same way), runs the loss and
+  its gradient on each in turn (``lax.scan``: one micro-batch's activations
+  alive at a time) and returns their means:
+
+    g = (1/K) Σ_k ∇ L_k,   L = (1/K) Σ_k L_k,   metrics = (1/K) Σ_k metrics_k.
+
+  Every micro-batch has the same number of tokens, so for a loss that is a
+  mean over tokens (the cross-entropy, the router z-loss) this is the loss
+  and gradient of the whole batch. The load-balancing loss is not such a
+  mean (``E · Σ_e f_e P_e``, a product of two means): here it is computed
+  per micro-batch and averaged, as Megatron-LM and MaxText do.
+
+  The running sum is kept in float32 (``accumulate_dtype="float32"``) or in
+  each parameter's dtype (``"params"``) and handed back in the parameter's
+  dtype. With ``accumulate=1`` this is ``jax.value_and_grad(loss_fn,
+  has_aux=True)``.
+  """
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+  if accumulate == 1:
+    return value_and_grad
+
+  def accumulated(params, inputs, targets):
+    rows = inputs.shape[0]
+    if rows % accumulate:
+      raise ValueError(f"a batch of {rows} sequences does not split into "
+                       f"{accumulate} micro-batches")
+    micro = lambda x: jnp.swapaxes(x.reshape(rows // accumulate, accumulate, *x.shape[1:]), 0, 1)
+    acc_dtype = lambda p: jnp.float32 if accumulate_dtype == "float32" else p.dtype
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype(p)), params)
+    shapes = jax.eval_shape(value_and_grad, params, inputs[:rows // accumulate],
+                            targets[:rows // accumulate])
+    (loss_shape, metrics_shape), _ = shapes
+    metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32),
+                                (loss_shape, metrics_shape))
+
+    def one(carry, batch):
+      grad_sum, value_sum = carry
+      value, grads = value_and_grad(params, *batch)
+      grad_sum = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
+      value_sum = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), value_sum, value)
+      return (grad_sum, value_sum), None
+
+    (grad_sum, value_sum), _ = jax.lax.scan(
+        one, (zeros, metric_zeros), (micro(inputs), micro(targets)))
+    grads = jax.tree.map(lambda a, p: (a / accumulate).astype(p.dtype), grad_sum, params)
+    value = jax.tree.map(lambda v, like: (v / accumulate).astype(like.dtype), value_sum,
+                         (loss_shape, metrics_shape))
+    return value, grads
+  return accumulated
+
+
+def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False,
+                  accumulate: int = 1, accumulate_dtype: str = "float32"):
   """The train and eval step functions (not yet jitted) of a split NNX model.
 
   ``train_step(params, opt_state, inputs, targets, key=None, grad_scale=None)
@@ -155,7 +219,10 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
   ``stochastic_rounding`` the update is applied by
   :func:`skewadam_jax.apply_updates_stochastic` and ``key`` (a PRNG key,
   a new one every step) is required. ``grad_scale`` is fault injection for
-  tests: the gradients are multiplied by it (NaN poisons the step). The
+  tests: the gradients are multiplied by it (NaN poisons the step). With
+  ``accumulate=K`` the batch is ``K`` micro-batches whose gradients are
+  averaged before the one optimizer update
+  (:func:`accumulated_value_and_grad`). The
   metrics are :func:`models.lm_loss`'s (scalars and the per-layer
   ``models.ROUTING_METRICS``) and ``grad_norm``; when ``tx`` is
   ``optax.apply_if_finite(...)`` they also hold its ``notfinite_count`` and
@@ -167,7 +234,8 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False):
     return models.lm_loss(nnx.merge(graphdef, params, rest), inputs, targets)
 
   def train_step(params, opt_state, inputs, targets, key=None, grad_scale=None):
-    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, inputs, targets)
+    (_, metrics), grads = accumulated_value_and_grad(loss, accumulate, accumulate_dtype)(
+        params, inputs, targets)
     if grad_scale is not None:  # in each leaf's dtype, so bf16 grads stay bf16
       grads = jax.tree.map(lambda g: g * jnp.asarray(grad_scale, g.dtype), grads)
     updates, opt_state = tx.update(grads, opt_state, params)

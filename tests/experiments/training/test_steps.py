@@ -23,7 +23,8 @@ BATCH, SEQ = 2, 16
     {"update_in_backward": True},
     {"skip_nonfinite": 2},
     {"stochastic_rounding": True, "param_dtype": "bfloat16"},
-], ids=["defaults", "update-in-backward", "skip-nonfinite", "stochastic-rounding"])
+    {"accumulate": 2},
+], ids=["defaults", "update-in-backward", "skip-nonfinite", "stochastic-rounding", "accumulate"])
 def test_the_planner_compiles_the_step_the_training_command_runs(flags, corpus, cache_dir):
   config = config_lib.TrainConfig(preset="tiny", batch_size=BATCH, seq_len=SEQ, data=corpus,
                                   sample_tokens=0, **flags)
