@@ -219,6 +219,15 @@ def _print_report(report: dict) -> None:
   if largest:
     print(f"  the model at the largest batch ({largest['batch']}): "
           f"{largest['model_matmul_flops']:.3e} = {largest['model_flops_per_useful']:.2f}x useful")
+  for key, label in (("step_time", "at this batch"),
+                     ("step_time_at_largest_batch", "at the largest batch")):
+    t = report.get(key)
+    if t:
+      print(f"  estimated step {label} ({t['batch']}): {t['step_seconds']:.3f} s "
+            f"(compute {t['compute_seconds']:.3f}, memory {t['memory_seconds']:.3f}, "
+            f"collectives {t['collective_seconds']:.3f}, {t['kernels']:,} kernels "
+            f"{t['overhead_seconds']:.3f}), {t['tokens_per_second']:,.0f} tokens/s, "
+            f"MFU {t['mfu']:.1%} (experiments/planning/roofline.py)")
   ortho = report.get("orthogonalisation")
   if ortho:
     size, rows, cols = ortho["chunk"]

@@ -58,6 +58,7 @@ import experiments
 from experiments.training import config as config_lib
 from experiments.planning import hlo
 from experiments.planning import orthogonal_cost
+from experiments.planning import roofline
 from experiments.training import mesh as mesh_lib
 from experiments.training import steps as steps_lib
 
@@ -435,9 +436,10 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
     # report says whether the step fits, so those lines are not passed on.
     with startup.filtered_stderr(XLA_REMAT_WARNINGS):
       compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*args, **kwargs).compile()
+    text = compiled.as_text()
     return {"xla": memory_analysis(compiled), "matmul_flops": _step_matmul_flops(train_step, args, kwargs),
-            "device_matmul_flops": hlo.device_matmul_flops(compiled.as_text(),
-                                                           model_config.num_layers),
+            "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
+            "estimate": _estimate(text, target, model_config.num_layers, warning),
             "warning": warning, "fingerprint": step_fingerprint(compiled)}
 
   mesh = mesh or default_mesh_shape(devices, model_config.num_experts)
@@ -463,14 +465,35 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
       raise
     return {"xla": None, "out_of_memory": str(err).splitlines()[0][:300],
             "matmul_flops": flops, "device_matmul_flops": None, "collectives": None,
+            "estimate": None,
             "warning": warning, "fingerprint": None}
   text = compiled.as_text()
   return {"xla": memory_analysis(compiled), "matmul_flops": flops,
           "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
+          "estimate": _estimate(text, target, model_config.num_layers, warning),
           "collectives": hlo.collective_bytes(text, default_trip_count=model_config.num_layers),
           "warning": warning, "fingerprint": step_fingerprint(compiled),
           "per_device_param_bytes": _shard_bytes(params, shardings.params),
           "per_device_opt_state_bytes": _shard_bytes(opt_state, shardings.opt_state)}
+
+
+def _estimate(hlo_text: str, target: str, num_layers: int, warning) -> dict | None:
+  """The roofline step-time estimate of a program compiled for a GPU target (else None)."""
+  if warning or target not in roofline.TARGETS:
+    return None
+  return roofline.estimate(hlo_text, target, default_trip_count=num_layers).to_json()
+
+
+def step_time_report(estimate: dict | None, config, *, batch: int, seq: int, accumulate: int,
+                     target: str, devices: int) -> dict | None:
+  """Estimated step seconds, tokens/s and MFU at ``batch`` (× ``accumulate``) from an estimate."""
+  if estimate is None:
+    return None
+  tokens = batch * accumulate * seq
+  step = roofline.StepEstimate(**estimate)
+  return {"batch": batch, **estimate,
+          **roofline.throughput(step, tokens=tokens, target=target, devices=devices,
+                                useful_flops=useful_flops(config, batch * accumulate, seq))}
 
 
 def _step_matmul_flops(train_step, args, kwargs) -> int:
@@ -761,6 +784,10 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "model_flops_per_useful": model_flops["model_flops_per_useful"],
       "optimizer_matmul_flops": counted - model_flops["model_matmul_flops"],
       "model_flops_at_largest_batch": None,
+      "step_time": step_time_report(compiled.get("estimate"), config, batch=batch, seq=seq,
+                                    accumulate=accumulate, target=target,
+                                    devices=devices or 1),
+      "step_time_at_largest_batch": None,
       "device_matmul_flops": device_flops,
       "hardware_flops_efficiency": (useful / ((devices or 1) * device_flops)
                                     if device_flops else None),
@@ -786,11 +813,13 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     report["collective_assumed_trip_counts"] = collectives.assumed_trip_counts
   if search_batch and device_bytes is not None:
     peaks = {batch: peak}
+    estimates = {batch: compiled.get("estimate")}
 
     def peak_at(multiple):  # the global batch is a multiple of the data size
       b = multiple * data
       if b not in peaks:
-        peaks[b] = _peak(compile_at(b))
+        at_b = compile_at(b)
+        peaks[b], estimates[b] = _peak(at_b), at_b.get("estimate")
         if progress:
           verdict = ("fits" if peaks[b] is not None and _fits(peaks[b], device_bytes, margin_bytes)
                      else "does not fit")
@@ -802,8 +831,12 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
         peak_at, device_bytes, margin_bytes, limit=max(1, 1024 // data))
     report["peak_bytes_by_batch"] = {str(b): p for b, p in sorted(peaks.items())}
     if report["max_batch_that_fits"]:
-      report["model_flops_at_largest_batch"] = model_flops_report(
-          config, report["max_batch_that_fits"], seq, accumulate)
+      largest = report["max_batch_that_fits"]
+      report["model_flops_at_largest_batch"] = model_flops_report(config, largest, seq,
+                                                                   accumulate)
+      report["step_time_at_largest_batch"] = step_time_report(
+          estimates.get(largest), config, batch=largest, seq=seq, accumulate=accumulate,
+          target=target, devices=devices or 1)
   return report
 
 
