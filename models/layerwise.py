@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -56,6 +57,31 @@ def lm_batch(config: ModelConfig, inputs, targets) -> LMBatch:
   if seq_len > config.max_seq_len:
     raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={config.max_seq_len}")
   return LMBatch(inputs, targets, *rope_tables(seq_len, config.head_dim, config.rope_theta))
+
+
+def lm_micro_batches(config: ModelConfig, inputs, targets, micro_batches: int) -> LMBatch:
+  """``[K·b, T]`` ids and targets as ``K`` micro-batches stacked on a leading axis.
+
+  Micro-batch ``k`` holds rows ``k, K + k, 2K + k, ...`` (as
+  :func:`experiments.training.steps.accumulated_value_and_grad` splits a
+  batch), each with the rotary tables: the ``batch`` of a layerwise step
+  built with ``micro_batches=K``.
+
+  Example:
+    >>> import jax.numpy as jnp, models
+    >>> ids = jnp.arange(12).reshape(6, 2)
+    >>> lm_micro_batches(models.get_preset("tiny"), ids, ids, 3).inputs[1].tolist()
+    [[2, 3], [8, 9]]
+  """
+  rows = inputs.shape[0]
+  if rows % micro_batches:
+    raise ValueError(f"a batch of {rows} sequences does not split into "
+                     f"{micro_batches} micro-batches")
+  split = lambda x: jnp.swapaxes(
+      x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 0, 1)
+  one = lm_batch(config, inputs[:1], targets[:1])
+  tile = lambda t: jnp.broadcast_to(t, (micro_batches, *t.shape))
+  return LMBatch(split(inputs), split(targets), tile(one.sin_TK), tile(one.cos_TK))
 
 
 def slice_axes(axes: Mapping[str, tuple]) -> dict[str, tuple]:

@@ -378,8 +378,8 @@ def _refuse_accumulation(state) -> None:
     raise ValueError(
         "gradient accumulation (optax.MultiSteps) cannot run inside the backward pass: it "
         "keeps a gradient of every parameter alive between micro-batches, the memory this "
-        "step exists to save. Use a larger batch (with rematerialisation) or the standard "
-        "step.")
+        "step exists to save. Use layerwise_step(..., micro_batches=K): it accumulates "
+        "layer by layer into one parameter-sized buffer.")
 
 
 def _cotangent_slice(tree, layer):
@@ -395,7 +395,8 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
                    head: Callable, *, stack: StackSpec, layer_axis: LayerAxis = 0,
                    clip_norm: float | None = None, clip_mode: str = "exact",
                    skip_nonfinite: int = 0, contain_nonfinite: bool = True,
-                   stochastic_rounding: bool = False, check: bool = True) -> LayerwiseStep:
+                   stochastic_rounding: bool = False, check: bool = True,
+                   micro_batches: int = 1, accumulate_dtype: str = "float32") -> LayerwiseStep:
   """A train step that updates each layer of a scanned stack inside the backward pass.
 
   See the module docstring for the functions, the algorithm and the clip modes.
@@ -428,6 +429,16 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
       parameters from ``fold_in(key, L)``).
     check: run :func:`check_separable` in ``init`` (skipped when ``init`` is
       traced, e.g. under ``jax.eval_shape``).
+    micro_batches: ``K > 1``: gradient accumulation. ``step``'s ``batch``
+      then holds ``K`` micro-batches along the leading axis of every leaf,
+      and the update is the one of the mean gradient ``(1/K) Σ_k g_k`` (and
+      the metrics their means over the micro-batches). The first ``K - 1``
+      run forward and backward into a stacked accumulator updated layer by
+      layer in place; the last one's passes add their gradients to it as
+      they go. Memory: one parameter-sized accumulator, never the full
+      gradient of a micro-batch beside it.
+    accumulate_dtype: the accumulator's dtype: ``"float32"`` or
+      ``"params"`` (each parameter's own).
 
   Returns:
     A :class:`LayerwiseStep` (``init``, ``step``, ``state_shardings``,
@@ -443,6 +454,11 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
   if skip_nonfinite and clip_mode != "exact":
     raise ValueError(f"skip_nonfinite needs clip_mode='exact' (got {clip_mode!r}): in one "
                      "pass a layer is updated before the later layers' gradients are seen")
+  if not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool) \
+      or micro_batches < 1:
+    raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+  if accumulate_dtype not in ("float32", "params"):
+    raise ValueError(f"accumulate_dtype must be 'float32' or 'params', got {accumulate_dtype!r}")
   clip_norm = 0.0 if clip_mode == "none" or not clip_norm else float(clip_norm)
   if clip_norm < 0:
     raise ValueError(f"clip_norm must be positive, got {clip_norm}")
@@ -515,6 +531,53 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
       return rounding.apply_updates_stochastic(params, updates, key)
     return optax.apply_updates(params, updates)
 
+  def _accumulated(backward_of, batch, where, stacked, outer):
+    """``backward_of``'s interface for the mean over the micro-batches of ``batch``.
+
+    Micro-batches ``0 .. K-2`` run forward and backward now, each layer's
+    gradient added in place into a stacked accumulator; the last one's
+    gradients are added to it when the updating passes ask for them, so the
+    update sees ``(1/K) Σ_k g_k`` and no second parameter-sized buffer exists.
+    """
+    first = jax.tree.map(lambda x: x[:-1], batch)
+    last = jax.tree.map(lambda x: x[-1], batch)
+    acc_dtype = lambda x: jnp.float32 if accumulate_dtype == "float32" else x.dtype
+    zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(np.shape(x), acc_dtype(x)), tree)
+    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+
+    def one(carry, micro):
+      acc_stack, acc_outer, metric_sum = carry
+      g_xL, layer_grads, outer_grads, metrics = backward_of(micro)
+
+      def back(c, layer):
+        g_y, acc = c
+        g_p, g_x = layer_grads(where.index(stacked, layer), layer, g_y)
+        return (g_x, where.write(acc, add(where.index(acc, layer), g_p), layer)), None
+
+      (g_x0, acc_stack), _ = jax.lax.scan(back, (g_xL, acc_stack), jnp.arange(num_layers),
+                                          reverse=True)
+      return (acc_stack, add(acc_outer, outer_grads(g_x0)), add(metric_sum, metrics)), None
+
+    num_layers = where.num_layers
+    metric_shapes = jax.eval_shape(lambda b: backward_of(b)[3], last)
+    (acc_stack, acc_outer, metric_sum), _ = jax.lax.scan(
+        one, (zeros(stacked), zeros(outer), zeros(metric_shapes)), first)
+    g_xL, layer_grads, outer_grads, metrics = backward_of(last)
+
+    def mean(acc, g):
+      return jax.tree.map(lambda a, b: ((a + b.astype(a.dtype)) / micro_batches).astype(b.dtype),
+                          acc, g)
+
+    def mean_layer_grads(layer_slice, layer, g_y):
+      g_p, g_x = layer_grads(layer_slice, layer, g_y)
+      return mean(where.index(acc_stack, layer), g_p), g_x
+
+    def mean_outer_grads(g_x0):
+      return mean(acc_outer, outer_grads(g_x0))
+    metrics = jax.tree.map(lambda a, m: ((a + m) / micro_batches).astype(m.dtype),
+                           metric_sum, metrics)
+    return g_xL, mean_layer_grads, mean_outer_grads, metrics
+
   def step(params, state: LayerwiseState, batch, *, key=None, grad_scale=None):
     if stochastic_rounding and key is None:
       raise ValueError("a layerwise step with stochastic rounding needs key=")
@@ -525,38 +588,47 @@ def layerwise_step(tx: optax.GradientTransformation, embed: Callable, block: Cal
                    else jnp.asarray(grad_scale))
     outer_scale = grad_scale if layer_scale is None else None
 
-    # 1. Forward, keeping each block's input.
-    x0, embed_vjp = jax.vjp(lambda o: embed(o, batch), outer)
+    def backward_of(batch):
+      """Forward and head of ``batch``; its layers' and the outer gradients on demand."""
+      # 1. Forward, keeping each block's input.
+      x0, embed_vjp = jax.vjp(lambda o: embed(o, batch), outer)
 
-    def forward(x, layer):
-      y, aux = block(where.index(stacked, layer), x, batch, layer)
-      return y, (x, aux)
+      def forward(x, layer):
+        y, aux = block(where.index(stacked, layer), x, batch, layer)
+        return y, (x, aux)
 
-    xL, (x_in, aux_L) = jax.lax.scan(forward, x0, jnp.arange(num_layers))
+      xL, (x_in, aux_L) = jax.lax.scan(forward, x0, jnp.arange(num_layers))
 
-    # 2. The head: the loss, the outer parameters' share of its gradient, the cotangents.
-    loss, head_vjp, metrics = jax.vjp(lambda o, x, a: head(o, x, a, batch), outer, xL, aux_L,
-                                      has_aux=True)
-    if np.shape(loss) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-      raise ValueError(f"head must return a float scalar loss first; got {loss.dtype} "
-                       f"of shape {np.shape(loss)}")
-    g_head, g_xL, g_aux_L = head_vjp(jnp.ones_like(loss))
+      # 2. The head: the loss, the outer parameters' share of its gradient, the cotangents.
+      loss, head_vjp, metrics = jax.vjp(lambda o, x, a: head(o, x, a, batch), outer, xL,
+                                        aux_L, has_aux=True)
+      if np.shape(loss) != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"head must return a float scalar loss first; got {loss.dtype} "
+                         f"of shape {np.shape(loss)}")
+      g_head, g_xL, g_aux_L = head_vjp(jnp.ones_like(loss))
 
-    def layer_grads(layer_slice, layer, g_y):
-      x_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False),
-                         x_in)
-      _, vjp = jax.vjp(lambda p, x: block(p, x, batch, layer), layer_slice, x_l)
-      g_p, g_x = vjp((g_y, _cotangent_slice(g_aux_L, layer)))
-      if layer_scale is not None:
-        g_p = _scaled(g_p, layer_scale[layer])
-      elif grad_scale is not None:
-        g_p = _scaled(g_p, grad_scale)
-      return g_p, g_x
+      def layer_grads(layer_slice, layer, g_y):
+        x_l = jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), x_in)
+        _, vjp = jax.vjp(lambda p, x: block(p, x, batch, layer), layer_slice, x_l)
+        g_p, g_x = vjp((g_y, _cotangent_slice(g_aux_L, layer)))
+        if layer_scale is not None:
+          g_p = _scaled(g_p, layer_scale[layer])
+        elif grad_scale is not None:
+          g_p = _scaled(g_p, grad_scale)
+        return g_p, g_x
 
-    def outer_grads(g_x0):
-      (g_embed,) = embed_vjp(g_x0)
-      g = jax.tree.map(jnp.add, g_head, g_embed)
-      return g if outer_scale is None else _scaled(g, outer_scale)
+      def outer_grads(g_x0):
+        (g_embed,) = embed_vjp(g_x0)
+        g = jax.tree.map(jnp.add, g_head, g_embed)
+        return g if outer_scale is None else _scaled(g, outer_scale)
+      return g_xL, layer_grads, outer_grads, metrics
+
+    if micro_batches == 1:
+      g_xL, layer_grads, outer_grads, metrics = backward_of(batch)
+    else:
+      g_xL, layer_grads, outer_grads, metrics = _accumulated(
+          backward_of, batch, where, stacked, outer)
 
     # 3a. Exact mode: the global norm and finiteness first, nothing updated.
     if norm_first:

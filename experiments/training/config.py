@@ -465,10 +465,6 @@ class TrainConfig:
     if self.accumulate_dtype not in ("float32", "params"):
       raise ValueError(f"--accumulate-dtype must be float32 or params, "
                        f"got {self.accumulate_dtype!r}")
-    if self.update_in_backward and self.accumulate > 1:
-      raise ValueError("--accumulate needs a gradient buffer to sum micro-batches into; "
-                       "--update-in-backward keeps none (each layer's gradient is applied "
-                       "as soon as it is computed)")
     if self.update_in_backward:
       if self.skip_nonfinite and self.clip_mode != "exact":
         raise ValueError("--skip-nonfinite with --update-in-backward needs --clip-mode "

@@ -125,7 +125,9 @@ def build_step(config, graphdef, rest, params, axes, *, schedule=None) -> TrainS
                          accumulate_dtype=config.accumulate_dtype)
   return layerwise_step(graphdef, rest, tx, params, clip_norm=config.clip_norm,
                         clip_mode=config.clip_mode, skip_nonfinite=config.skip_nonfinite,
-                        stochastic_rounding=config.stochastic_rounding)
+                        stochastic_rounding=config.stochastic_rounding,
+                        micro_batches=config.accumulate,
+                        accumulate_dtype=config.accumulate_dtype)
 
 
 def layerwise_step(graphdef, rest, tx, params, **options) -> TrainStep:
@@ -142,8 +144,13 @@ def layerwise_step(graphdef, rest, tx, params, **options) -> TrainStep:
   layerwise_lib.check_separable(tx, engine.per_layer_params(params))
   model_config = model.config
 
+  micro_batches = options.get("micro_batches", 1)
+
   def train_step(params, opt_state, inputs, targets, key=None, grad_scale=None):
-    batch = model_layerwise.lm_batch(model_config, inputs, targets)
+    if micro_batches > 1:
+      batch = model_layerwise.lm_micro_batches(model_config, inputs, targets, micro_batches)
+    else:
+      batch = model_layerwise.lm_batch(model_config, inputs, targets)
     return engine.step(params, opt_state, batch, key=key, grad_scale=grad_scale)
 
   _, eval_step = make_step_fns(graphdef, rest, tx)

@@ -238,6 +238,40 @@ def test_transformations_that_couple_parameters_are_refused_at_init(tx, what):
     _engine(tx).init(example.init_params())
 
 
+@pytest.mark.parametrize("accumulate_dtype", ["float32", "params"])
+def test_micro_batches_update_with_the_mean_gradient(accumulate_dtype):
+  """Against the standard step on the mean of each micro-batch's jax.grad (clip exact)."""
+  K = 3
+  params = example.init_params()
+  micro = [next(example.batches(1, seed=s)) for s in range(K)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *micro)
+  tx = optax.adamw(1e-2)
+  engine = _engine(tx, clip_norm=0.5, micro_batches=K, accumulate_dtype=accumulate_dtype)
+  new, _, metrics = jax.jit(engine.step)(params, engine.init(params), stacked)
+
+  grads = [jax.grad(lambda p, b: example.loss_fn(p, b)[0])(params, b) for b in micro]
+  mean = jax.tree.map(lambda *g: sum(g) / K, *grads)
+  reference_tx = optax.chain(optax.clip_by_global_norm(0.5), tx)
+  updates, _ = reference_tx.update(mean, reference_tx.init(params), params)
+  expected = optax.apply_updates(params, updates)
+  assert float(optax.global_norm(mean)) > 0.5  # the clip acted
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               new, expected)
+  losses = [float(example.loss_fn(params, b)[0]) for b in micro]
+  np.testing.assert_allclose(metrics["loss"], np.mean(losses), rtol=1e-6)
+  np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(mean), rtol=1e-5)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(micro_batches=0), "micro_batches must be an int >= 1, got 0"),
+    (dict(micro_batches=2.0), "micro_batches must be an int >= 1, got 2.0"),
+    (dict(accumulate_dtype="bf16"), "accumulate_dtype must be 'float32' or 'params'"),
+])
+def test_bad_accumulation_options_are_refused(options, match):
+  with pytest.raises(ValueError, match=match):
+    _engine(**options)
+
+
 def test_gradient_accumulation_is_refused_with_the_reason():
   tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
   with pytest.raises(ValueError, match="keeps a gradient of every parameter alive"):

@@ -108,6 +108,22 @@ def test_a_batch_that_does_not_split_is_refused():
     fn(jnp.ones(()), jnp.ones((4, 1)), jnp.ones((4, 1)))
 
 
-def test_accumulating_with_the_update_in_the_backward_pass_is_refused():
-  with pytest.raises(ValueError, match="--accumulate needs a gradient buffer"):
-    config_lib.TrainConfig(preset="tiny", accumulate=2, update_in_backward=True).validate()
+@pytest.mark.parametrize("clip_mode", ["exact", "stale"])
+def test_accumulating_inside_the_backward_pass_equals_the_whole_batch_step(clip_mode):
+  """The layerwise step with K micro-batches against itself on the K-times batch."""
+  settings = dict(lb_loss_coef=0.0, compute_dtype="float32", update_in_backward=True,
+                  clip_mode=clip_mode, clip_norm=0.05)  # a clip that acts
+  _, whole, whole_metrics = _one_step("skewadam", 1, **settings)
+  _, accumulated, metrics = _one_step("skewadam", K, **settings)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=5e-5),
+               accumulated, whole)
+  np.testing.assert_allclose(metrics["ce_loss"], whole_metrics["ce_loss"], rtol=1e-6)
+  np.testing.assert_allclose(metrics["grad_norm"], whole_metrics["grad_norm"], rtol=1e-5)
+
+
+def test_the_layerwise_accumulation_matches_the_standard_one():
+  settings = dict(lb_loss_coef=0.01, compute_dtype="float32", clip_norm=0.0)
+  _, standard, _ = _one_step("adamw", K, **settings)
+  _, layerwise, _ = _one_step("adamw", K, update_in_backward=True, **settings)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=5e-5),
+               layerwise, standard)
