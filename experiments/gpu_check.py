@@ -79,9 +79,32 @@ def default_tiers() -> dict:
   return config_lib.tiers_from_args(build_parser().parse_args([]))
 
 
+# The planner's roofline target of a device, by a substring of its kind; the first match wins.
+ROOFLINE_TARGETS = (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-40gb"))
+
+
+def roofline_target(device_kind: str) -> str | None:
+  """The :mod:`experiments.planning.roofline` target of ``device_kind``, or ``None``."""
+  return next((t for name, t in ROOFLINE_TARGETS if name in device_kind), None)
+
+
+def step_spread(times: Sequence[float]) -> dict:
+  """Min, 10th percentile, median, 90th percentile and max of the step times after the first.
+
+  Example:
+    >>> step_spread([9.0, 1.0, 2.0, 3.0, 4.0, 5.0])["median"]
+    3.0
+  """
+  later = sorted(times[1:] or times)
+  at = lambda q: later[min(len(later) - 1, round(q * (len(later) - 1)))]  # noqa: E731
+  return {"steps": len(later), "min": later[0], "p10": at(0.1),
+          "median": statistics.median(later), "p90": at(0.9), "max": later[-1]}
+
+
 def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps: int,
               update_in_backward: bool = False, clip_mode: str = "exact",
-              skewadam_tiers: dict | None = None, peak_flops: float | None = None) -> dict:
+              skewadam_tiers: dict | None = None, peak_flops: float | None = None,
+              settings: dict | None = None) -> dict:
   """Builds the model and optimizer on the device and runs ``steps`` train steps.
 
   ``skewadam_tiers``: the library's tier arguments (``{}``: ``skewadam()``'s);
@@ -91,7 +114,11 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   Returns the phase's JSON record: ``status`` (``ok``, ``out_of_memory`` or
   ``error``), the ``skewadam_tiers`` run, the measured ``peak_bytes_in_use``,
   XLA's analysis of the compiled step (``xla``), ``compile_seconds``,
-  ``step_seconds`` and, with a known peak FLOP/s, ``mfu``.
+  ``step_seconds`` (and their spread), with a known peak FLOP/s ``mfu``,
+  and the planner's roofline estimate of the same compiled program
+  (``estimate``: :mod:`experiments.planning.roofline` for the device's kind).
+  ``settings``: other training-command fields (``moe_block_size``,
+  ``accumulate``); ``batch`` is then each micro-batch's.
   """
   import jax
   import jax.numpy as jnp
@@ -110,7 +137,12 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     skewadam_tiers = default_tiers()
   if optimizer == "skewadam":
     result["skewadam_tiers"] = skewadam_tiers
-  config = models.get_preset(preset, param_dtype=jnp.bfloat16)
+  settings = dict(settings or {})
+  if settings:
+    result["settings"] = settings
+  overrides = {k: v for k, v in settings.items() if k in ("moe_block_size",)}
+  config = models.get_preset(preset, param_dtype=jnp.bfloat16, **overrides)
+  accumulate = settings.get("accumulate", 1)
   seq = seq or config.max_seq_len
   result["seq"] = seq
   try:
@@ -123,7 +155,8 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     params = init_params()
     # The step the training command runs, as the planner compiles it.
     run_config = planner.train_config(preset, optimizer, skewadam_tiers=skewadam_tiers,
-                                      update_in_backward=update_in_backward, clip_mode=clip_mode)
+                                      update_in_backward=update_in_backward, clip_mode=clip_mode,
+                                      **settings)
     built = steps_lib.build_step(run_config, graphdef, rest, params,
                                  steps_lib.abstract_axes(preset))
     opt_state = jax.jit(built.init)(params)
@@ -132,10 +165,10 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
       result["clip_mode"] = clip_mode
     key = jax.random.PRNGKey(0)
     def tokens_at(i):
-      tokens = jax.random.randint(jax.random.fold_in(key, i), (batch, seq + 1), 0,
-                                  config.vocab_size)
+      tokens = jax.random.randint(jax.random.fold_in(key, i), (batch * accumulate, seq + 1),
+                                  0, config.vocab_size)
       return tokens[:, :-1], tokens[:, 1:]
-    result["useful_flops"] = planner.useful_flops(config, batch, seq)
+    result["useful_flops"] = planner.useful_flops(config, batch * accumulate, seq)
     result["matmul_flops"] = planner.matmul_flops(train_step, params, opt_state, *tokens_at(0))
     t0 = time.perf_counter()
     step = jax.jit(train_step, donate_argnums=(0, 1)).lower(
@@ -143,6 +176,11 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     result["compile_seconds"] = time.perf_counter() - t0
     result["xla"] = planner.memory_analysis(step)
     result["step_fingerprint"] = planner.step_fingerprint(step)
+    target = roofline_target(device.device_kind)
+    if target:
+      result["estimate"] = planner.step_time_report(
+          planner._estimate(step.as_text(), target, config.num_layers, None), config,
+          batch=batch, seq=seq, accumulate=accumulate, target=target, devices=1)
     times = []
     for i in range(steps):
       inputs, targets = tokens_at(i)
@@ -156,7 +194,8 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     # of the median when there are later ones.
     median = statistics.median(times[1:] or times)
     result["median_step_seconds"] = median
-    result["tokens_per_second"] = batch * seq / median
+    result["step_seconds_spread"] = step_spread(times)
+    result["tokens_per_second"] = batch * accumulate * seq / median
     if peak_flops:
       result["mfu"] = result["useful_flops"] / median / peak_flops
       result["hardware_flops_utilisation"] = result["matmul_flops"] / median / peak_flops
@@ -169,6 +208,10 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
   result["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
   result["bytes_limit"] = stats.get("bytes_limit")
   return result
+
+
+# Training-command settings a phase passes on (run_phase's ``settings``).
+PHASE_SETTINGS = ("moe_block_size", "accumulate", "accumulate_dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the memory pool's size in GB (0: 95%% of the card)")
   parser.add_argument("--optimizers", default="skewadam,adamw")
   # The step's settings, with the training command's flags (and defaults).
-  config_lib.add_flags(parser, config_lib.TIER_FIELDS + ("update_in_backward", "clip_mode"))
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS + ("update_in_backward", "clip_mode")
+                       + PHASE_SETTINGS)
   parser.add_argument("--peak-tflops", type=float, default=None,
                       help="the device's dense bf16 peak (default: its datasheet's, if known)")
   parser.add_argument("--phase-timeout", type=float, default=None,
@@ -223,12 +267,13 @@ def comparison_table(phases: list[dict], plans: list[dict]) -> str:
   gb = lambda b: f"{b / 1e9:.3f}" if b else "-"  # noqa: E731
   rows = ["| preset | optimizer | tiers | batch | update in backward | status | measured peak GB "
           "| XLA's peak on the device GB | planner's peak GB (target) | device / planner "
-          "| same program | compile s | median step s | tokens/s | MFU |",
-          "|" + "---|" * 15]
+          "| same program | compile s | median step s | tokens/s | MFU "
+          "| estimated step s (roofline) | measured / estimated |",
+          "|" + "---|" * 17]
   for r in phases:
     if r.get("status") in ("crashed", "timed_out") or "xla" not in r:
       rows.append(f"| {r.get('preset')} | {r.get('optimizer')} | | {r.get('batch')} | | "
-                  f"{r.get('status')} |" + " |" * 9)
+                  f"{r.get('status')} |" + " |" * 11)
       continue
     plan = by_key.get(_key(r))
     measured = r.get("peak_bytes_in_use") if r["status"] == "ok" else None
@@ -242,13 +287,18 @@ def comparison_table(phases: list[dict], plans: list[dict]) -> str:
     step_s = f"{r['median_step_seconds']:.3f}" if "median_step_seconds" in r else "-"
     tokens = f"{r['tokens_per_second']:.0f}" if "tokens_per_second" in r else "-"
     mfu = f"{r['mfu']:.3f}" if "mfu" in r else "-"
+    estimate = r.get("estimate")
+    estimated = f"{estimate['step_seconds']:.3f}" if estimate else "-"
+    off = (f"{r['median_step_seconds'] / estimate['step_seconds']:.2f}"
+           if estimate and "median_step_seconds" in r else "-")
     rows.append(
         f"| {r['preset']} | {r['optimizer']} | {tiers_text.replace('|', '/')} | {r['batch']} "
         f"| {'yes' if r.get('update_in_backward') else 'no'} | {r['status']} "
         f"| {gb(measured)} | {gb(r['xla']['peak'])} "
         f"| {planned} "
         f"| {ratio} "
-        f"| {same} | {r['compile_seconds']:.1f} | {step_s} | {tokens} | {mfu} |")
+        f"| {same} | {r['compile_seconds']:.1f} | {step_s} | {tokens} | {mfu} "
+        f"| {estimated} | {off} |")
   return "\n".join(rows)
 
 
@@ -267,7 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        steps=args.steps,
                        update_in_backward=args.update_in_backward, clip_mode=args.clip_mode,
                        skewadam_tiers=config_lib.tiers_from_args(args),
-                       peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
+                       peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
+                       settings={name: getattr(args, name) for name in PHASE_SETTINGS
+                                 if getattr(args, name) is not None})
     print(json.dumps({**cap, **result}), flush=True)
     return 0
   # Each optimizer in its own process, so the peak and an OOM of one phase do

@@ -52,12 +52,23 @@ phase --preset moe-6.78b --optimizers skewadam,adamw --cap-gb "$a100" --steps 5
 phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --update-in-backward
 # moe-47b (Mixtral-8x7B-shaped) on the whole card, update inside the backward pass.
 phase --preset moe-47b --optimizers skewadam --cap-gb 141 --steps 3 --update-in-backward
-# Throughput: the A100-40GB plan's largest batch; AdamW and the library's
-# skewadam() (Adam's direction) on the whole card, for their step times.
-phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --batch-size 11
-phase --preset moe-6.78b --optimizers adamw --cap-gb 0 --steps 5
-phase --preset moe-6.78b --optimizers skewadam --cap-gb 0 --steps 5 \
+# Throughput at the A100-40GB plan's largest batch (11), 22 steps each (the first
+# left out of the spread): the default, then Adam's direction in every tier;
+# each record carries the roofline estimate of its own compiled program.
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 22 --batch-size 11
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 22 --batch-size 11 \
   --backbone-direction adam --expert-direction adam
+# The MoE's block size at that batch, measured (the estimate prefers larger blocks:
+# XLA copies each block's expert weights): 1024, then sized to the batch (0).
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 22 --batch-size 11 \
+  --moe-block-size 1024
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 22 --batch-size 11 \
+  --moe-block-size 0
+# A real batch in 40 GB: 16 micro-batches of 8 inside the backward pass (262k tokens a step).
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 3 --batch-size 8 \
+  --update-in-backward --accumulate 16 --accumulate-dtype params
+# AdamW on the whole card, for its step time.
+phase --preset moe-6.78b --optimizers adamw --cap-gb 0 --steps 5
 
 # Each phase beside the planner's report of the same step, where one is committed.
 "$py" -m experiments.gpu_check --table "$log" experiments/results/gpu-check/plans/*.json \

@@ -83,7 +83,7 @@ class ModelConfig:
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.bfloat16
   moe_impl: str = 'ragged'
-  moe_block_size: int = 0
+  moe_block_size: int = 256
   lb_loss_coef: float = 0.01
   z_loss_coef: float = 1e-3
   remat: bool = True

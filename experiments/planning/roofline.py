@@ -9,7 +9,8 @@ copy, a collective, in the entry computation or in a loop's body) is timed as
 and the step as ``Σ_k runs_k · t_k``, where ``F_k`` is the kernel's
 matrix-multiply FLOPs (:func:`experiments.planning.hlo.device_matmul_flops`'s
 count of its dots and GEMM calls), ``B_k`` the bytes it reads and writes in
-device memory, ``P`` the target's dense bf16 peak, ``W`` its memory
+device memory, ``P`` the target's dense bf16 peak (its TF32 peak for a
+float32 matmul, XLA:GPU's default precision), ``W`` its memory
 bandwidth, ``runs_k`` how often its computation runs in a step (loops times
 their trip counts), and ``c`` a fixed cost per kernel (launch and the gaps
 between kernels; :data:`KERNEL_OVERHEAD_S`). A collective's bytes go
@@ -48,20 +49,23 @@ class Roofline:
     peak_flops: dense bf16 matrix-multiply FLOP/s (datasheet, no sparsity).
     memory_bandwidth: device-memory bytes/s.
     interconnect_bandwidth: bytes/s a device sends over NVLink (one direction).
+    f32_flops: FLOP/s of a float32 matmul (TF32 tensor cores, XLA:GPU's
+      default precision); ``None``: ``peak_flops``.
   """
   name: str
   peak_flops: float
   memory_bandwidth: float
   interconnect_bandwidth: float
+  f32_flops: float | None = None
 
 
-# Datasheets: A100 SXM4 40GB (312 TFLOP/s bf16, 1,555 GB/s, NVLink 600 GB/s
-# both directions), H100 SXM5 (989 TFLOP/s, 3.35 TB/s, NVLink 900 GB/s),
-# H200 SXM (989 TFLOP/s, 4.8 TB/s, 900 GB/s).
+# Datasheets: A100 SXM4 40GB (312 TFLOP/s bf16, 156 TF32, 1,555 GB/s, NVLink
+# 600 GB/s both directions), H100 SXM5 (989 TFLOP/s bf16, 494 TF32, 3.35 TB/s,
+# NVLink 900 GB/s), H200 SXM (as the H100, 4.8 TB/s).
 TARGETS = {
-    "a100-40gb": Roofline("a100-40gb", 312e12, 1.555e12, 300e9),
-    "h100-80gb": Roofline("h100-80gb", 989e12, 3.35e12, 450e9),
-    "h200": Roofline("h200", 989e12, 4.8e12, 450e9),
+    "a100-40gb": Roofline("a100-40gb", 312e12, 1.555e12, 300e9, 156e12),
+    "h100-80gb": Roofline("h100-80gb", 989e12, 3.35e12, 450e9, 494e12),
+    "h200": Roofline("h200", 989e12, 4.8e12, 450e9, 494e12),
 }
 
 # Seconds each kernel costs beyond its roofline time: launch and the gap to
@@ -105,19 +109,30 @@ class StepEstimate:
     return dataclasses.asdict(self)
 
 
-def _fused_flops(computations, name: str, shapes, seen=None) -> int:
-  """Matmul FLOPs inside a fused computation (nested fusions included)."""
+def _flops(instruction, shapes) -> tuple[int, int]:
+  """``(matmul FLOPs, of which on float32 operands)`` of one instruction."""
+  flops = hlo._dot_flops(instruction, shapes)
+  if not flops:
+    return 0, 0
+  lhs = shapes.get(instruction.operands[0], "") if instruction.operands else ""
+  return flops, flops if lhs.startswith("f32") else 0
+
+
+def _fused_flops(computations, name: str, shapes, seen=None) -> tuple[int, int]:
+  """:func:`_flops` summed inside a fused computation (nested fusions included)."""
   seen = set() if seen is None else seen
   if name in seen or name not in computations:
-    return 0
+    return 0, 0
   seen.add(name)
-  total = 0
+  total = f32 = 0
   for instruction in computations[name]:
-    total += hlo._dot_flops(instruction, shapes)
+    flops, flops_f32 = _flops(instruction, shapes)
+    total, f32 = total + flops, f32 + flops_f32
     for attribute, callee in hlo._called(instruction):
       if attribute == "calls":
-        total += _fused_flops(computations, callee, shapes, seen)
-  return total
+        flops, flops_f32 = _fused_flops(computations, callee, shapes, seen)
+        total, f32 = total + flops, f32 + flops_f32
+  return total, f32
 
 
 def _parameter_reads(computations, fused: str, shapes) -> dict[int, int]:
@@ -218,12 +233,15 @@ def estimate(hlo_text: str, target: str | Roofline, *, default_trip_count: int |
         overhead += times * kernel_overhead_s
         kernels += times
         continue
-      flops = hlo._dot_flops(instruction, shapes)
+      flops, flops_f32 = _flops(instruction, shapes)
       for attribute, callee in hlo._called(instruction):
         if attribute == "calls" and instruction.opcode == "fusion":
-          flops += _fused_flops(computations, callee, shapes)
+          inner, inner_f32 = _fused_flops(computations, callee, shapes)
+          flops, flops_f32 = flops + inner, flops_f32 + inner_f32
       nbytes = _kernel_bytes(instruction, computations, shapes)
-      t_compute, t_memory = flops / roof.peak_flops, nbytes / roof.memory_bandwidth
+      t_compute = ((flops - flops_f32) / roof.peak_flops
+                   + flops_f32 / (roof.f32_flops or roof.peak_flops))
+      t_memory = nbytes / roof.memory_bandwidth
       if t_compute >= t_memory:
         compute += times * t_compute
       else:

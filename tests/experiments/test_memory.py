@@ -154,18 +154,29 @@ def test_gpu_check_table_sets_each_phase_beside_its_plan():
   ran = {"preset": "p", "optimizer": "skewadam", "batch": 2, "update_in_backward": False,
          "skewadam_tiers": tiers, "status": "ok", "peak_bytes_in_use": 3.9e9,
          "xla": {"peak": 3.8e9}, "step_fingerprint": "ab", "compile_seconds": 1.0,
-         "median_step_seconds": 0.5, "tokens_per_second": 100.0, "mfu": 0.25}
+         "median_step_seconds": 0.5, "tokens_per_second": 100.0, "mfu": 0.25,
+         "estimate": {"step_seconds": 0.4}}
   oom = dict(ran, status="out_of_memory", skewadam_tiers={}, xla={"peak": 9.9e9},
              step_fingerprint="xx")
-  del oom["median_step_seconds"], oom["tokens_per_second"], oom["mfu"]
+  del oom["median_step_seconds"], oom["tokens_per_second"], oom["mfu"], oom["estimate"]
   rows = gpu_check.comparison_table([ran, oom], [other, plan]).splitlines()[2:]
   cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
   # ran: its own plan (not the library's), 3.8 / 4.0, the same program.
   assert cells[0][6:11] == ["3.900", "3.800", "4.000 (h200)", "0.9500", "yes"]
-  assert cells[0][-1] == "0.250"
+  assert cells[0][-3:] == ["0.250", "0.400", "1.25"]  # MFU, the estimate, measured / it
   # oom: no measured peak, matched to the library's plan, another program.
   assert cells[1][2] == "skewadam() (library)"
   assert cells[1][6:11] == ["-", "9.900", "9.000 (h200)", "1.1000", "no"]
+  assert cells[1][-2:] == ["-", "-"]
+
+
+def test_gpu_check_step_spread_leaves_the_first_step_out():
+  from experiments import gpu_check
+  spread = gpu_check.step_spread([10.0] + [float(i) for i in range(1, 22)])
+  assert spread == {"steps": 21, "min": 1.0, "p10": 3.0, "median": 11.0, "p90": 19.0,
+                    "max": 21.0}
+  assert gpu_check.roofline_target("NVIDIA H100 80GB HBM3") == "h100-80gb"
+  assert gpu_check.roofline_target("NVIDIA L4") is None
 
 
 def test_tier_flags_become_skewadam_tier_configs():
