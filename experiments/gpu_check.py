@@ -179,7 +179,7 @@ def run_phase(preset: str, optimizer: str, *, batch: int, seq: int | None, steps
     target = roofline_target(device.device_kind)
     if target:
       result["estimate"] = planner.step_time_report(
-          planner._estimate(step.as_text(), target, config.num_layers, None), config,
+          planner.estimate_step(step.as_text(), target, config.num_layers, None), config,
           batch=batch, seq=seq, accumulate=accumulate, target=target, devices=1)
     times = []
     for i in range(steps):

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    description=__doc__.split("\n\n")[0],
                                    epilog="--table FILE.json ...: print reports as a Markdown "
                                    "table (--devices-table for --devices reports, "
-                                   "--orthogonal-table for what Newton-Schulz costs in them)")
+                                   "--orthogonal-table for what Newton-Schulz costs in them, "
+                                   "--step-time-table for the model's FLOPs and the "
+                                   "estimated step)")
   parser.add_argument("--preset", default="moe-6.78b")
   parser.add_argument("--optimizer", default="skewadam",
                       help=f"one of {', '.join(optimizers.OPTIMIZERS)}")
@@ -126,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --table FILE.json ...: reports as one Markdown table, without compiling anything.
 TABLES = {"--table": markdown_table, "--devices-table": planner.markdown_devices_table,
-          "--orthogonal-table": planner.markdown_orthogonal_table}
+          "--orthogonal-table": planner.markdown_orthogonal_table,
+          "--step-time-table": planner.markdown_step_time_table}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

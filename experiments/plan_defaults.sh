@@ -24,6 +24,16 @@ A100=(--preset moe-6.78b --optimizer skewadam --target a100-40gb --batch-size 1 
 plan skewadam "${A100[@]}"
 plan skewadam-update-in-backward "${A100[@]}" --update-in-backward
 plan skewadam-update-in-backward-24gb "${A100[@]}" --update-in-backward --device-memory-gb 24
+# Throughput: the same on the H100 target (the README's estimated step), the MoE's blocks
+# sized to the batch (moe_block_size = 0: the model's FLOPs within 1.55x the useful ones),
+# and gradient accumulation, in the standard step (a second parameter-sized buffer) and
+# inside the backward pass (one buffer, updated layer by layer).
+plan skewadam-h100 --preset moe-6.78b --optimizer skewadam --target h100-80gb --batch-size 1 \
+  --seq-len 2048
+plan skewadam-moe-block-auto "${A100[@]}" --moe-block-size 0
+plan skewadam-accumulate8 "${A100[@]}" --accumulate 8 --accumulate-dtype params
+plan skewadam-update-in-backward-accumulate16 "${A100[@]}" --update-in-backward \
+  --accumulate 16 --accumulate-dtype params
 # The library's skewadam() (Adam's direction in both tiers, with the library's own defaults),
 # and SkewAdam's reference row (Adam's backbone): re-planned whenever the library's step changes.
 ADAM=(--backbone-direction adam --expert-direction adam)

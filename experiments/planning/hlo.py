@@ -142,7 +142,7 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | Non
   return computations, entry
 
 
-def _called(instruction: Instruction) -> list[tuple[str, str]]:
+def called(instruction: Instruction) -> list[tuple[str, str]]:
   """``(attribute, computation)`` for each computation ``instruction`` calls."""
   out = []
   for attribute, value in _CALLED.findall(instruction.attributes):
@@ -165,7 +165,7 @@ def _condition_constant(computations, condition: str) -> int | None:
       if (instruction.opcode == "constant" and re.fullmatch(r"[su]\d+\[\]", instruction.shape)
           and re.fullmatch(r"-?\d+", instruction.arguments.strip())):
         constants.add(int(instruction.arguments))
-      todo.extend(callee for _, callee in _called(instruction))
+      todo.extend(callee for _, callee in called(instruction))
   return constants.pop() if len(constants) == 1 else None
 
 
@@ -192,7 +192,7 @@ class CollectiveReport:
 
 
 # Instructions that run no kernel: they name or regroup buffers.
-_NO_KERNEL = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+NO_KERNEL = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
                         "after-all", "optimization-barrier"})
 
 
@@ -216,7 +216,7 @@ def kernel_bytes(hlo_text: str) -> int:
   sizes, total = {}, 0
   for instruction in computations[entry]:
     sizes[instruction.name] = array_bytes(instruction.shape)
-    if instruction.opcode not in _NO_KERNEL:
+    if instruction.opcode not in NO_KERNEL:
       total += sizes[instruction.name] + sum(sizes.get(o, 0) for o in instruction.operands)
   return total
 
@@ -233,17 +233,17 @@ def collective_bytes(hlo_text: str, default_trip_count: int | None = None) -> Co
   Raises:
     ValueError: if the text holds no entry computation.
   """
-  computations, entry = _parse_with_entry(hlo_text)
+  computations, entry = parse_with_entry(hlo_text)
   shapes = {i.name: i.shape for instructions in computations.values() for i in instructions}
   by_name = {i.name: i for instructions in computations.values() for i in instructions}
-  runs, trip_counts, assumed = _runs(computations, entry, default_trip_count)
+  runs, trip_counts, assumed = runs_per_step(computations, entry, default_trip_count)
 
   totals = {kind: 0 for kind in KINDS}
   counts = {kind: 0 for kind in KINDS}
   holding = set()
   for name, instructions in computations.items():
     for instruction in instructions:
-      kind, size = _collective(instruction, shapes, by_name)
+      kind, size = collective(instruction, shapes, by_name)
       if kind is None:
         continue
       totals[kind] += runs.get(name, 0) * size
@@ -255,28 +255,29 @@ def collective_bytes(hlo_text: str, default_trip_count: int | None = None) -> Co
                           assumed_trip_counts=[n for n in assumed if n in loops])
 
 
-def _parse_with_entry(hlo_text: str):
+def parse_with_entry(hlo_text: str):
+  """:func:`parse_module`, refusing a text without an entry computation."""
   computations, entry = parse_module(hlo_text)
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return computations, entry
 
 
-def _runs(computations, entry: str, default_trip_count: int | None):
+def runs_per_step(computations, entry: str, default_trip_count: int | None):
   """(runs per step by computation, trip count by loop, loops whose count was assumed)."""
   runs: dict[str, int] = {entry: 1}
   trip_counts: dict[str, int] = {}
   assumed: list[str] = []
   for name in _topological(computations, entry):  # callers before callees (HLO is a DAG)
     for instruction in computations.get(name, []):
-      called = _called(instruction)
-      if not called:
+      callees = called(instruction)
+      if not callees:
         continue
       times = 1
       if instruction.opcode == "while":
         times = _trip_count(computations, instruction, default_trip_count, assumed)
         trip_counts[instruction.name] = times
-      for attribute, callee in called:
+      for attribute, callee in callees:
         factor = times if attribute == "body" else 1
         runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * factor
   return runs, trip_counts, assumed
@@ -287,7 +288,7 @@ def _dims(shape_text: str) -> list[int]:
   return [int(d) for d in match.group(2).split(",") if d] if match else []
 
 
-def _dot_flops(instruction: Instruction, shapes) -> int:
+def dot_flops(instruction: Instruction, shapes) -> int:
   """``2 · |output| · |contracted|`` of a ``dot`` or a cuBLAS GEMM custom call, else 0."""
   if instruction.opcode == "dot":
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
@@ -319,19 +320,20 @@ def device_matmul_flops(hlo_text: str, default_trip_count: int | None = None) ->
   XLA kept. ``None`` when the program has convolutions instead (XLA:TPU
   lowers matrix multiplies to them), which this does not count.
   """
-  computations, entry = _parse_with_entry(hlo_text)
+  computations, entry = parse_with_entry(hlo_text)
   shapes = {i.name: i.shape for instructions in computations.values() for i in instructions}
-  runs, _, _ = _runs(computations, entry, default_trip_count)
+  runs, _, _ = runs_per_step(computations, entry, default_trip_count)
   total = 0
   for name, instructions in computations.items():
     for instruction in instructions:
       if instruction.opcode == "convolution":
         return None
-      total += runs.get(name, 0) * _dot_flops(instruction, shapes)
+      total += runs.get(name, 0) * dot_flops(instruction, shapes)
   return total
 
 
-def _collective(instruction: Instruction, shapes, by_name) -> tuple[str | None, int]:
+def collective(instruction: Instruction, shapes, by_name) -> tuple[str | None, int]:
+  """``(kind, bytes)`` of a collective instruction (module docstring), else ``(None, 0)``."""
   opcode = instruction.opcode
   if opcode in KINDS:
     inputs = sum(array_bytes(shapes.get(o, "")) for o in instruction.operands)
@@ -347,7 +349,7 @@ def _trip_count(computations, loop: Instruction, default: int | None, assumed: l
   known = _TRIP_COUNT.search(loop.attributes)
   if known:
     return int(known.group(1))
-  condition = dict(_called(loop)).get("condition")
+  condition = dict(called(loop)).get("condition")
   constant = _condition_constant(computations, condition) if condition else None
   if constant is not None and constant > 0:
     return constant
@@ -363,7 +365,7 @@ def _topological(computations, entry: str) -> list[str]:
       return
     seen.add(name)
     for instruction in computations[name]:
-      for _, callee in _called(instruction):
+      for _, callee in called(instruction):
         visit(callee)
     order.append(name)
 
@@ -373,7 +375,7 @@ def _topological(computations, entry: str) -> list[str]:
 
 def _reaches(computations, instruction: Instruction, targets: Iterable[str]) -> bool:
   targets, seen = set(targets), set()
-  todo = [callee for _, callee in _called(instruction)]
+  todo = [callee for _, callee in called(instruction)]
   while todo:
     name = todo.pop()
     if name in targets:
@@ -381,5 +383,5 @@ def _reaches(computations, instruction: Instruction, targets: Iterable[str]) -> 
     if name in seen or name not in computations:
       continue
     seen.add(name)
-    todo.extend(c for i in computations[name] for _, c in _called(i))
+    todo.extend(c for i in computations[name] for _, c in called(i))
   return False

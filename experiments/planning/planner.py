@@ -439,7 +439,7 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
     text = compiled.as_text()
     return {"xla": memory_analysis(compiled), "matmul_flops": _step_matmul_flops(train_step, args, kwargs),
             "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
-            "estimate": _estimate(text, target, model_config.num_layers, warning),
+            "estimate": estimate_step(text, target, model_config.num_layers, warning),
             "warning": warning, "fingerprint": step_fingerprint(compiled)}
 
   mesh = mesh or default_mesh_shape(devices, model_config.num_experts)
@@ -470,14 +470,14 @@ def compile_step(config: config_lib.TrainConfig, *, batch: int, seq: int,
   text = compiled.as_text()
   return {"xla": memory_analysis(compiled), "matmul_flops": flops,
           "device_matmul_flops": hlo.device_matmul_flops(text, model_config.num_layers),
-          "estimate": _estimate(text, target, model_config.num_layers, warning),
+          "estimate": estimate_step(text, target, model_config.num_layers, warning),
           "collectives": hlo.collective_bytes(text, default_trip_count=model_config.num_layers),
           "warning": warning, "fingerprint": step_fingerprint(compiled),
           "per_device_param_bytes": _shard_bytes(params, shardings.params),
           "per_device_opt_state_bytes": _shard_bytes(opt_state, shardings.opt_state)}
 
 
-def _estimate(hlo_text: str, target: str, num_layers: int, warning) -> dict | None:
+def estimate_step(hlo_text: str, target: str, num_layers: int, warning) -> dict | None:
   """The roofline step-time estimate of a program compiled for a GPU target (else None)."""
   if warning or target not in roofline.TARGETS:
     return None
@@ -770,7 +770,7 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
       "step_fingerprint": compiled.get("fingerprint"),
       "devices": devices or 1, "mesh": mesh_sizes, "fsdp": fsdp if devices else None,
       "layout": layout,
-      "moe_impl": config.moe_impl,
+      "moe_impl": config.moe_impl, "moe_block_size": config.moe_block_size,
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
       "param_bytes": param_bytes, "grad_bytes": grad_bytes,
       "opt_state_bytes": state_by_tier["total"], "opt_state_bytes_by_tier": state_by_tier,
@@ -867,6 +867,50 @@ def markdown_table(reports: Sequence[dict]) -> str:
                  f"| {_gb(r.get('grad_bytes'))} | {r['peak_bytes'] / GB:.2f} GB "
                  f"| {'yes' if r['fits'] else 'no'} "
                  f"| {'not searched' if batch is None else batch} | {ratio} |")
+  return "\n".join(lines)
+
+
+def _block_rows(report: dict, batch: int) -> str:
+  """The MoE's rows per block at ``batch`` (``auto`` sizes them to the batch)."""
+  size = report.get("moe_block_size")
+  if size is None or report.get("moe_impl") not in ("blocked", "expert_parallel"):
+    return "-"
+  if size:
+    return str(size)
+  config = models.get_preset(report["preset"])
+  rows = batch * report.get("accumulate", 1) * report["seq"] * config.top_k
+  return f"auto ({models.grouped.auto_block_size(rows, config.num_experts)})"
+
+
+def markdown_step_time_table(reports: Sequence[dict]) -> str:
+  """Markdown: each report's model FLOPs per useful FLOP and its estimated step.
+
+  One row per report at its batch and, where it searched, one at the largest
+  batch that fits: the MoE's rows per block, the model's matmul FLOPs over
+  the useful ones (:func:`model_matmul_flops`), the peak, and the roofline
+  estimate (:mod:`experiments.planning.roofline`): step seconds (how much
+  of it is kernel overhead), tokens/s and MFU.
+  """
+  lines = ["| preset | optimizer | target | batch | rows per block | model FLOPs / useful "
+           "| peak | estimated step s (kernel overhead) | tokens/s | MFU |",
+           "|" + "---|" * 10]
+  for r in reports:
+    points = [(r["batch"], r.get("model_flops_per_useful"), r.get("peak_bytes"),
+               r.get("step_time"))]
+    largest = r.get("model_flops_at_largest_batch")
+    if largest and largest["batch"] != r["batch"]:
+      peak = (r.get("peak_bytes_by_batch") or {}).get(str(largest["batch"]))
+      points.append((largest["batch"], largest["model_flops_per_useful"], peak,
+                     r.get("step_time_at_largest_batch")))
+    for batch, ratio, peak, t in points:
+      micro = f" x {r['accumulate']}" if r.get("accumulate", 1) > 1 else ""
+      step = f"{t['step_seconds']:.3f} ({t['overhead_seconds']:.3f})" if t else "-"
+      tokens = f"{t['tokens_per_second']:,.0f}" if t else "-"
+      mfu = f"{t['mfu']:.1%}" if t else "-"
+      lines.append(
+          f"| {r['preset']} | {r['optimizer']} | {r['target']} | {batch}{micro} "
+          f"| {_block_rows(r, batch)} | {f'{ratio:.3f}' if ratio else '-'} "
+          f"| {_gb(peak) if peak else '-'} | {step} | {tokens} | {mfu} |")
   return "\n".join(lines)
 
 

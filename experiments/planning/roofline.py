@@ -35,7 +35,6 @@ on a real GPU (docs/guides/step-time.md).
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from experiments.planning import hlo
 
@@ -74,7 +73,7 @@ KERNEL_OVERHEAD_S = 2.6e-6
 
 # Instructions that run no kernel of their own, and control flow whose work
 # is its computations'.
-_FREE = hlo._NO_KERNEL | {"while", "conditional", "call", "async-start", "async-update",
+_FREE = hlo.NO_KERNEL | {"while", "conditional", "call", "async-start", "async-update",
                           "async-done", "copy-start", "copy-done", "partition-id",
                           "replica-id", "get-dimension-size", "add-dependency", "domain"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
@@ -111,7 +110,7 @@ class StepEstimate:
 
 def _flops(instruction, shapes) -> tuple[int, int]:
   """``(matmul FLOPs, of which on float32 operands)`` of one instruction."""
-  flops = hlo._dot_flops(instruction, shapes)
+  flops = hlo.dot_flops(instruction, shapes)
   if not flops:
     return 0, 0
   lhs = shapes.get(instruction.operands[0], "") if instruction.operands else ""
@@ -128,7 +127,7 @@ def _fused_flops(computations, name: str, shapes, seen=None) -> tuple[int, int]:
   for instruction in computations[name]:
     flops, flops_f32 = _flops(instruction, shapes)
     total, f32 = total + flops, f32 + flops_f32
-    for attribute, callee in hlo._called(instruction):
+    for attribute, callee in hlo.called(instruction):
       if attribute == "calls":
         flops, flops_f32 = _fused_flops(computations, callee, shapes, seen)
         total, f32 = total + flops, f32 + flops_f32
@@ -176,7 +175,7 @@ def _kernel_bytes(instruction, computations, shapes) -> int:
     update = operand_bytes[1] if len(operand_bytes) > 1 else out
     return 2 * update
   if instruction.opcode == "fusion":
-    fused = next((c for a, c in hlo._called(instruction) if a == "calls"), None)
+    fused = next((c for a, c in hlo.called(instruction) if a == "calls"), None)
     reads = _parameter_reads(computations, fused, shapes) if fused else {}
     operand_bytes = [reads.get(i, b) for i, b in enumerate(operand_bytes)]
     written = _in_place_write(computations, fused, shapes) if fused else None
@@ -207,14 +206,14 @@ def estimate(hlo_text: str, target: str | Roofline, *, default_trip_count: int |
     (True, 6.88)
   """
   roof = TARGETS[target] if isinstance(target, str) else target
-  computations, entry = hlo._parse_with_entry(hlo_text)
+  computations, entry = hlo.parse_with_entry(hlo_text)
   shapes = {i.name: i.shape for body in computations.values() for i in body}
   by_name = {i.name: i for body in computations.values() for i in body}
-  runs, _, _ = hlo._runs(computations, entry, default_trip_count)
+  runs, _, _ = hlo.runs_per_step(computations, entry, default_trip_count)
   sequential = {entry}
   for body in computations.values():
     for instruction in body:
-      for attribute, callee in hlo._called(instruction):
+      for attribute, callee in hlo.called(instruction):
         if attribute in _SEQUENTIAL or (attribute == "calls" and instruction.opcode
                                         in ("call", "async-start")):
           sequential.add(callee)
@@ -227,14 +226,14 @@ def estimate(hlo_text: str, target: str | Roofline, *, default_trip_count: int |
     for instruction in computations.get(name, []):
       if instruction.opcode in _FREE or instruction.opcode.endswith("-start"):
         continue
-      kind, size = hlo._collective(instruction, shapes, by_name)
+      kind, size = hlo.collective(instruction, shapes, by_name)
       if kind is not None:
         collective += times * size / roof.interconnect_bandwidth
         overhead += times * kernel_overhead_s
         kernels += times
         continue
       flops, flops_f32 = _flops(instruction, shapes)
-      for attribute, callee in hlo._called(instruction):
+      for attribute, callee in hlo.called(instruction):
         if attribute == "calls" and instruction.opcode == "fusion":
           inner, inner_f32 = _fused_flops(computations, callee, shapes)
           flops, flops_f32 = flops + inner, flops_f32 + inner_f32

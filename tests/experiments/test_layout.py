@@ -46,6 +46,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 COMMANDS = {"train", "compare", "memory", "bench", "parallel", "state_bytes", "gpu_check",
+            "step_time",
             "sample", "schedules", "data.__main__"}
 
 
