@@ -12,7 +12,8 @@ of commit 7d6fae6, the last before this estimate existed, by
 program's roofline time (:mod:`experiments.planning.roofline`, no per-kernel
 cost), its kernel count, the per-kernel cost that fits the measurements
 best (least squares through zero), and each step's estimate with the
-library's constant beside the measurement.
+library's constant beside the measurement (``--json`` writes
+``experiments/results/step-time/calibration.json``).
 
 ``--hlo`` estimates one saved program (``compiled.as_text()``) for a target.
 """
