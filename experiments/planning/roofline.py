@@ -219,7 +219,7 @@ def estimate(hlo_text: str, target: str | Roofline, *, default_trip_count: int |
           sequential.add(callee)
   compute = memory = collective = overhead = 0.0
   kernels = flops_total = bytes_total = 0
-  for name in sequential:
+  for name in sorted(sequential):  # a fixed order: the same sums every run
     times = runs.get(name, 0)
     if not times:
       continue
