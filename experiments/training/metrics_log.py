@@ -19,6 +19,34 @@ import time
 from typing import Optional
 
 
+def machine() -> dict:
+  """What a run ran on, for its summary: CPU model, cores, load average, JAX, devices.
+
+  Step times compare only between runs on the same machine under the same
+  load; a summary that says which is the only way to tell afterwards.
+
+  Example:
+    >>> sorted(machine())
+    ['cores', 'cpu', 'devices', 'jax', 'jaxlib', 'load_average']
+  """
+  import jax  # the summary is written after training: JAX has long started
+  import jaxlib
+  cpu = None
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f
+                  if line.startswith("model name")), None)
+  except OSError:
+    pass
+  try:
+    load = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    load = None
+  return {"cpu": cpu, "cores": os.cpu_count(), "load_average": load,
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "devices": sorted({d.device_kind for d in jax.devices()})}
+
+
 def read_metrics(path: pathlib.Path, upto_step: int) -> list[dict]:
   """The records of ``path`` up to ``upto_step``; a line cut short by a crash is dropped."""
   if not path.exists():

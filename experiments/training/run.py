@@ -35,7 +35,7 @@ from experiments.training import sampling
 from experiments.training import steps as steps_lib
 from experiments.training.checkpoint import Checkpointer
 from experiments.training.config import TrainConfig
-from experiments.training.metrics_log import MetricsLog, read_metrics, write_atomically
+from experiments.training.metrics_log import MetricsLog, machine, read_metrics, write_atomically
 
 
 SAMPLE_PROMPT_TOKENS = 16  # the evaluation samples continue the validation text's start
@@ -406,6 +406,7 @@ def _train(run: Run, out: pathlib.Path, ckpt: Checkpointer, *, resume: bool,
         "val_works": run.data.info["val_names"],
         # From the optimizer state, so it counts the skips before a resume too.
         "nonfinite_skips": int(opt_state.total_notfinite) if skip else 0,
+        "machine": machine(),
         "config": config_dict,
     }
     if end == config.steps:

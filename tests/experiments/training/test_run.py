@@ -101,6 +101,7 @@ def test_metrics_are_read_one_step_late(tmp_path, skip):
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
   assert [r["loss"] for r in records if "loss" in r] == pytest.approx([1 / s for s in range(1, 7)])
   assert summary["completed"] and summary["val_ppl"] == 2.0
+  assert summary["machine"]["cores"] >= 1 and summary["machine"]["jax"]
 
 
 def test_checkpoint_and_eval_steps_read_first(tmp_path):
