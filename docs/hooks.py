@@ -19,7 +19,7 @@ ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 MARKER = "<!-- commands -->"
 # python -m experiments.NAME, in the order a newcomer meets them.
 COMMANDS = ("train", "compare", "memory", "data", "sample", "schedules", "state_bytes",
-            "parallel", "bench", "gpu_check")
+            "parallel", "bench", "gpu_check", "step_time")
 
 
 def command_reference(names=COMMANDS) -> str:

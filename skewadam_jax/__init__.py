@@ -7,6 +7,9 @@ The public API:
 * :func:`skewadam_orthogonal` — the same with Muon's direction in the backbone
   and expert tiers: the configuration that measured best at SkewAdam's memory
   (:func:`orthogonal_settings`: its arguments, for :func:`plan_table`).
+* :func:`skewadam_article` — the article's optimizer as its public code
+  computes it (:mod:`skewadam_jax.article`; :func:`scale_by_skewadam_article`):
+  the reference mode the library's forms are compared with.
 * :class:`TierConfig` — how a tier stores its momentum and second moment.
 * :class:`MatrixAxes` — which two axes of a leaf form its matrix
   (:func:`named_matrix_axes`: those of a named pattern set's trees).
@@ -40,6 +43,9 @@ from skewadam_jax.alias import ORTHOGONAL_EXPERT_MOMENTUM
 from skewadam_jax.alias import ORTHOGONAL_TIER_SETTINGS
 from skewadam_jax.alias import orthogonal_settings
 from skewadam_jax.alias import skewadam_orthogonal
+from skewadam_jax.article import ScaleByArticleState
+from skewadam_jax.article import scale_by_skewadam_article
+from skewadam_jax.article import skewadam_article
 from skewadam_jax.axes import MatrixAxes
 from skewadam_jax.axes import named_matrix_axes
 from skewadam_jax.encodings import ENCODINGS
@@ -85,12 +91,12 @@ __all__ = [
     "DecayScheduleState",
     "ENCODINGS", "EXPERT", "LayerwiseState", "LayerwiseStep", "LeafPlan", "MATRICES",
     "MatrixAxes", "PATTERNS",
-    "ROUTER", "ScaleBySkewAdamState", "TIERS", "TierConfig",
+    "ROUTER", "ScaleByArticleState", "ScaleBySkewAdamState", "TIERS", "TierConfig",
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "check_separable", "get_encoding", "label_fn", "label_names",
     "layerwise_step", "leaf_plans",
     "matrices_only", "moe_param_labels", "named_matrix_axes", "newton_schulz", "orthogonal_settings", "plan_table",
-    "scale_by_skewadam",
+    "scale_by_skewadam", "scale_by_skewadam_article", "skewadam_article",
     "scanned_matrix_axes", "skewadam", "skewadam_orthogonal",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",
     "tree_bytes",
