@@ -1,7 +1,8 @@
 """SkewAdam with Muon's direction, as the training command measured it.
 
-:func:`skewadam` keeps the article's rule: Adam's direction ``m̂ / √v̂`` in
-every tier. :func:`skewadam_orthogonal` is the configuration that measured
+:func:`skewadam` keeps the article's tiering with Adam's direction ``m̂ / √v̂``
+in every tier (the article's own update, its code's ε floor, momentum-free
+expert and router tiers and whole-tensor clip, is :func:`skewadam_article`). :func:`skewadam_orthogonal` is the configuration that measured
 best at SkewAdam's memory in this project's long comparison
 (``experiments/results/compare-long.json``), and the training command's
 default: the backbone and expert
