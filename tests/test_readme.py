@@ -74,7 +74,8 @@ def table_rows(text):
 
 def test_the_figures_at_a_glance_are_the_results_files():
   rows = table_rows(README.split("## Results at a glance")[1])
-  state, peak, backward, h200, ppl, compile_time, _ = rows.values()  # the last: XLA:GPU
+  (state, peak, backward, accumulated, estimated, h200, ppl, compile_time,
+   _) = rows.values()  # the last: XLA:GPU
   assert state[:2] == [f"**{_gb('memory/skewadam.json', 'opt_state_bytes')}**",
                        _gb("memory/adamw.json", "opt_state_bytes")]
   skewadam = json.loads((RESULTS / "memory" / "skewadam.json").read_text())
@@ -89,6 +90,21 @@ def test_the_figures_at_a_glance_are_the_results_files():
                           f"(largest batch {layerwise['max_batch_that_fits']}; "
                           f"{card['max_batch_that_fits']} on a 24 GB card)",
                           _gb("memory/adamw-update-in-backward.json", "peak_bytes")]
+  micro = json.loads((RESULTS / "memory"
+                      / "skewadam-update-in-backward-accumulate16.json").read_text())
+  assert (micro["accumulate"], micro["accumulate_dtype"], micro["update_in_backward"]) == (
+      16, "params", True) and micro["skewadam_tiers"] == skewadam["skewadam_tiers"]
+  largest_micro = micro["max_batch_that_fits"]
+  assert accumulated[0] == (f"**{micro['peak_bytes'] / 1e9:.2f} GB** (micro-batches up to "
+                            f"{largest_micro}: {16 * largest_micro * 2048:,} tokens a step)")
+  h100 = json.loads((RESULTS / "memory" / "skewadam-h100.json").read_text())
+  assert h100["skewadam_tiers"] == skewadam["skewadam_tiers"] and h100["target"] == "h100-80gb"
+  step_text = lambda t: (f"{t['step_seconds']:.2f} s, {t['tokens_per_second']:,.0f} tokens/s, "  # noqa: E731
+                         f"MFU {t['mfu'] * 100:.1f} %")
+  assert estimated[0] == " / ".join(step_text(r["step_time_at_largest_batch"])
+                                    for r in (skewadam, h100))
+  assert [r["step_time_at_largest_batch"]["batch"] for r in (skewadam, h100)] == [
+      skewadam["max_batch_that_fits"], h100["max_batch_that_fits"]]
   big = json.loads((RESULTS / "memory"
                     / "moe-47b-h200-skewadam-orthogonal-update-in-backward.json").read_text())
   assert big["skewadam_tiers"] == skewadam["skewadam_tiers"] and big["fits"]

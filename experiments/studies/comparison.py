@@ -25,6 +25,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
+import models
 from experiments.training import optimizers
 from experiments.planning import accounting
 from experiments.training import config as config_lib
@@ -93,7 +94,8 @@ def standard_step_fits(row: dict, reports: Sequence[dict]) -> bool | None:
 
   ``reports`` are planner reports (``python -m experiments.memory --json``);
   the one for the row is the one-device, standard-step (not
-  ``--update-in-backward``) report with the same tiers. ``None``: no such
+  ``--update-in-backward``, no ``--accumulate``, the preset's MoE block size)
+  report with the same tiers. ``None``: no such
   report, so the row's fit is not known (plan it with ``python -m
   experiments.memory --preset moe-6.78b --optimizer skewadam`` and the row's
   tier flags).
@@ -106,6 +108,10 @@ def standard_step_fits(row: dict, reports: Sequence[dict]) -> bool | None:
     if (report.get("batch"), report.get("seq"), report.get("devices", 1)) != (1, 2048, 1):
       continue
     if report.get("update_in_backward") or report.get("mesh"):
+      continue
+    # The training command's step: no accumulation, the preset's MoE blocks.
+    if report.get("accumulate", 1) > 1 or report.get("moe_block_size") not in (
+        None, models.get_preset("moe-6.78b").moe_block_size):
       continue
     if _full_tiers(report.get("skewadam_tiers") or {}) == wanted:
       return bool(report["fits"])
