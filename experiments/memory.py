@@ -25,7 +25,17 @@ most alive at once. ``matmul_flops`` counts the step's matrix multiplies
 
 ``flops_efficiency`` is the useful FLOPs of the step (``6 · active
 parameters · tokens`` + causal attention, ``experiments.planning.planner.useful_flops``)
-over ``matmul_flops``.
+over ``matmul_flops``. ``model_matmul_flops`` is the model's own share (the
+loss and its gradient as the standard step computes them: remat's recompute
+and the MoE's padding included), ``model_flops_per_useful`` its ratio to the
+useful FLOPs (also at the largest batch that fits), and
+``optimizer_matmul_flops`` the rest of the step's (the optimizer's; with
+``--update-in-backward``, also the exact clip's second backward pass).
+``step_time`` and ``step_time_at_largest_batch`` are the roofline estimate of
+the compiled step on a GPU target (``experiments/planning/roofline.py``):
+seconds, tokens/s and MFU; ``--step-time-table`` tabulates them.
+``--accumulate K`` plans ``K`` micro-batches of ``--batch-size`` a step (the
+largest batch that fits is then the micro-batch's).
 
 ``--devices N`` compiles the step sharded over N devices of the target (an
 N-GPU node; N TPU chips), with the training command's mesh and shardings
