@@ -48,8 +48,9 @@ class ModelConfig:
       ``'dense'`` runs every expert on every token and masks by the combine
       weights (E/k times the useful FLOPs; simplest, fine for tiny shapes);
       ``'ragged'`` sorts assignments by expert and uses ``jax.lax.ragged_dot``
-      (ideal where ragged_dot has a grouped kernel; XLA:GPU in jax 0.10
-      lowers it densely, see MEMORY-NOTES); ``'blocked'`` pads each expert's
+      (ideal where ragged_dot has a grouped kernel; XLA:GPU lowers it
+      densely, in jax 0.10.2 and 0.12.1 alike: docs/guides/throughput.md);
+      ``'blocked'`` pads each expert's
       group to ``moe_block_size`` rows and scans over blocks, gathering one
       expert's weights per block (bounded memory on GPU, and the fastest of
       the three on CPU for ``small``); ``'expert_parallel'`` sends each token
