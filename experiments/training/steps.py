@@ -174,7 +174,7 @@ def accumulated_value_and_grad(loss_fn, accumulate: int, accumulate_dtype: str =
   mean over tokens (the cross-entropy, the router z-loss) this is the loss
   and gradient of the whole batch. The load-balancing loss is not such a
   mean (``E · Σ_e f_e P_e``, a product of two means): here it is computed
-  per micro-batch and averaged, as Megatron-LM and MaxText do.
+  per micro-batch and averaged.
 
   The running sum is kept in float32 (``accumulate_dtype="float32"``) or in
   each parameter's dtype (``"params"``) and handed back in the parameter's
