@@ -43,7 +43,6 @@ the tests compare) or :func:`skewadam_jax.apply_updates_stochastic`.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -75,10 +74,6 @@ class ScaleByArticleState(NamedTuple):
   count: jax.Array
   mu: Any
   nu: Any
-
-
-def _log(b: float) -> float:
-  return math.log(b) if b > 0 else -math.inf
 
 
 def _factored(tier: str, leaf) -> bool:
@@ -131,12 +126,14 @@ def scale_by_skewadam_article(
     ValueError: for a decay outside ``[0, 1)``, a floor or threshold that is
       not positive, or an unknown ``clip_scope``.
   """
+  # Under optax.inject_hyperparams the numbers arrive traced: checked when concrete.
+  concrete = lambda x: not isinstance(x, jax.core.Tracer)  # noqa: E731
   for name, value in (("b1", b1), ("b2", b2)):
-    if not 0.0 <= value < 1.0:
+    if concrete(value) and not 0.0 <= value < 1.0:
       raise ValueError(f"{name} must be in [0, 1), got {value}")
-  if not floor > 0:
+  if concrete(floor) and not floor > 0:
     raise ValueError(f"floor must be > 0, got {floor}")
-  if not clip_threshold > 0:
+  if concrete(clip_threshold) and not clip_threshold > 0:
     raise ValueError(f"clip_threshold must be > 0, got {clip_threshold}")
   if clip_scope not in CLIP_SCOPES:
     raise ValueError(f"clip_scope must be one of {', '.join(CLIP_SCOPES)}, got {clip_scope!r}")
@@ -165,9 +162,10 @@ def scale_by_skewadam_article(
     nus = treedef.flatten_up_to(state.nu)
     count = optax.safe_increment(state.count)
     # 1 - b^t as -expm1(t log b): float32 keeps its relative precision where
-    # 1 - b^t would lose it (1 - 0.999 is 1.3e-5 off in float32).
+    # 1 - b^t would lose it (1 - 0.999 is 1.3e-5 off in float32); log 0 = -inf
+    # gives 1 - 0^t = 1.
     t = count.astype(jnp.float32)
-    bc1, bc2 = (-jnp.expm1(t * _log(b)) for b in (b1, b2))
+    bc1, bc2 = (-jnp.expm1(t * jnp.log(jnp.asarray(b, jnp.float32))) for b in (b1, b2))
     out, new_mu, new_nu = [], [], []
     for g, tier, mu, nu in zip(grads, tiers, mus, nus):
       g32 = g.astype(jnp.float32)

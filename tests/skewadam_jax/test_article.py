@@ -156,6 +156,17 @@ def test_the_decay_mask_spares_only_the_router():
                   "router": {"kernel": False, "bias": False}}
 
 
+def test_hyperparameters_can_be_injected():
+  params = jax.tree.map(jnp.asarray, _tree())
+  grads = jax.tree.map(jnp.ones_like, params)
+  plain = skewadam_jax.skewadam_article(LR)
+  injected = optax.inject_hyperparams(skewadam_jax.skewadam_article)(learning_rate=LR)
+  want, _ = plain.update(grads, plain.init(params), params)
+  got, _ = jax.jit(injected.update)(grads, injected.init(params), params)
+  # Injected, b2 is a float32 array: 1 - b2 is 1.3e-5 off the Python float's.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5), got, want)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(b1=1.0), "b1 must be in"), (dict(floor=0.0), "floor must be > 0"),
     (dict(clip_threshold=-1.0), "clip_threshold must be > 0"),
