@@ -93,7 +93,8 @@ def calibration_table(result: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+  """The command's flags."""
   parser = argparse.ArgumentParser(prog="python -m experiments.step_time",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--calibrate", action="store_true",
@@ -106,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--layers", type=int, default=None,
                       help="trip count of a loop XLA does not know (the layer count)")
   parser.add_argument("--json", action="store_true")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = build_parser()
   args = parser.parse_args(argv)
   if args.target not in roofline.TARGETS:
     print(f"error: --target must be one of {', '.join(roofline.TARGETS)}, got {args.target!r}",
