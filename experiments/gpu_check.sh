@@ -9,8 +9,10 @@
 # record: measured peak, XLA's analysis of the same compiled step, compile and
 # step times, MFU); OUT_DIR/env.json the device and package versions. A tiny
 # step runs first: if it fails, nothing else is tried. Each phase is stopped
-# after PHASE_TIMEOUT seconds (default 240). On a 141 GB H200 the whole call
-# took 257 s (2026-12-04). Beside the planner's reports of the same steps:
+# after PHASE_TIMEOUT seconds (default 240). On a 141 GB H200 the batch-1 phases
+# took 257 s (2026-12-04); the throughput phases before them add roughly 10
+# minutes (22 steps of a few seconds each, plus a compile, five times), so a
+# 15-minute lease may end during the batch-1 phases, which were measured then. Beside the planner's reports of the same steps:
 #   python -m experiments.gpu_check --table OUT_DIR/phases.jsonl PLAN.json ...
 # (the H200 plans: experiments/results/gpu-check/plans/, from plan_defaults.sh).
 # The cap bounds the allocator, not the compiler: XLA still compiles for the
@@ -47,11 +49,9 @@ if ! tail -n 1 "$log" | grep -q '"status": "ok"'; then
   exit 1
 fi
 # The training command's default SkewAdam (no tier flag) unless a phase says otherwise.
-# moe-6.78b, 1 x 2048 tokens, in the A100-40GB budget: SkewAdam, then AdamW.
-phase --preset moe-6.78b --optimizers skewadam,adamw --cap-gb "$a100" --steps 5
-phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --update-in-backward
-# moe-47b (Mixtral-8x7B-shaped) on the whole card, update inside the backward pass.
-phase --preset moe-47b --optimizers skewadam --cap-gb 141 --steps 3 --update-in-backward
+# In order of value, so that a lent GPU's 15 minutes are spent on what is not yet
+# measured: the throughput phases first (about 2 min each on an H200 by the
+# estimate), the batch-1 phases of 2026-12-04 last.
 # Throughput at the A100-40GB plan's largest batch (11), 22 steps each (the first
 # left out of the spread): the default, then Adam's direction in every tier;
 # each record carries the roofline estimate of its own compiled program.
@@ -64,9 +64,16 @@ phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 22 --bat
   --moe-block-size 1024
 phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 22 --batch-size 11 \
   --moe-block-size 0
-# A real batch in 40 GB: 16 micro-batches of 8 inside the backward pass (262k tokens a step).
-phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 3 --batch-size 8 \
-  --update-in-backward --accumulate 16 --accumulate-dtype params
+# Accumulation inside the backward pass in 40 GB: 4 micro-batches of 8, two steps
+# (the planner's 16 x 11 is the same program with a longer loop).
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 2 --batch-size 8 \
+  --update-in-backward --accumulate 4 --accumulate-dtype params
+# The batch-1 phases of 2026-12-04 again, now with their estimates: moe-6.78b in the
+# A100-40GB budget (SkewAdam, then AdamW), with the update inside the backward pass,
+# and moe-47b on the whole card.
+phase --preset moe-6.78b --optimizers skewadam,adamw --cap-gb "$a100" --steps 5
+phase --preset moe-6.78b --optimizers skewadam --cap-gb "$a100" --steps 5 --update-in-backward
+phase --preset moe-47b --optimizers skewadam --cap-gb 141 --steps 3 --update-in-backward
 # AdamW on the whole card, for its step time.
 phase --preset moe-6.78b --optimizers adamw --cap-gb 0 --steps 5
 
