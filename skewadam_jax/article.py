@@ -225,7 +225,8 @@ def skewadam_article(
     >>> grads = jax.tree.map(lambda p: 1e-5 * jnp.ones_like(p), params)
     >>> updates, state = tx.update(grads, state, params)
     >>> # The floor binds: |u| = 1e-5 · sqrt(1e-3) / 1e-4, not Adam's 1.
-    >>> round(float(-updates["router"][0, 0] / 3e-4), 4)
+    >>> router_step = -updates["router"] / 3e-4
+    >>> round(float(jnp.max(router_step)), 4)
     0.0032
   """
   return optax.chain(
