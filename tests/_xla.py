@@ -27,6 +27,21 @@ COMPILE_FLAGS = "--xla_backend_optimization_level=0" + (
     " --xla_cpu_use_fusion_emitters=false" if _jaxlib_version() < (0, 12) else "")
 
 
+def require_gpu_compile() -> None:
+  """Skips a ``gpu_compile`` test where XLA:GPU's compiler is not installed; with
+  ``SKEWADAM_REQUIRE_GPU_COMPILE=1`` (.ci/run's GPU-compile environment) fails instead."""
+  import os  # pylint: disable=import-outside-toplevel
+  import pytest  # pylint: disable=import-outside-toplevel
+  from experiments.planning import planner  # pylint: disable=import-outside-toplevel
+  if planner.gpu_compile_available("a100-40gb"):
+    return
+  why = ("gpu-compile extra not installed (jax-cuda12-plugin, nvidia-cuda-nvcc-cu12): "
+         "cannot compile for the A100 target here")
+  if os.environ.get("SKEWADAM_REQUIRE_GPU_COMPILE") == "1":
+    pytest.fail(why)
+  pytest.skip(why)
+
+
 def with_devices(devices: int) -> str:
   """``XLA_FLAGS`` for a subprocess with ``devices`` simulated CPU devices."""
   return f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}"

@@ -2,7 +2,8 @@
 
 import os
 
-# The tests run on the CPU. With the gpu-compile extra installed, JAX would
+# The tests run on the CPU. With the gpu-compile extra installed (.ci/run's
+# environment for the gpu_compile tests), JAX would
 # otherwise probe for CUDA at start-up (and the memory planner needs the CPU as
 # the only runtime platform to compile for a GPU target).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

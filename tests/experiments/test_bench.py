@@ -52,6 +52,7 @@ def test_command_json(capsys):
       out["rows"][0])
 
 
+@pytest.mark.gpu_compile  # and on the CPU: the GPU rows where the compiler is installed
 def test_update_temp_bytes_on_tiny():
   from experiments.planning import planner
   gpu = "skewadam, as on a GPU"  # tiny's attention matrices are a stacked group there
@@ -92,6 +93,7 @@ def test_markdown_lists_every_train_step_with_its_ratio(result):
   assert "| skewadam orthogonal | 500 | 2.00 |" in text and "| adamw | 1,000 | 1.00 |" in text
 
 
+@pytest.mark.gpu_compile  # and on the CPU: XLA:GPU's row where the compiler is installed
 def test_compile_times_of_a_per_expert_tree():
   tree = bench.per_expert_tree(layers=2, experts=2, d_model=8, d_ff=16, vocab=16)
   assert len(jax.tree.leaves(tree)) == 2 * (2 * 3 + 1) + 1

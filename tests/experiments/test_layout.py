@@ -6,6 +6,8 @@ import json
 import os
 import pathlib
 
+import pytest
+
 from tests import _subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -155,6 +157,15 @@ def test_the_commands_start_jax_silently():
   # JAX alone prints absl/cudart_stub lines and a plugin traceback here.
   assert _stderr_of(["-c", "import experiments, jax; jax.numpy.zeros(1)"]) == ""
   assert _stderr_of(["-m", "experiments.train", "--help"]) == ""
+
+
+def test_the_library_imports_and_computes_silently_without_the_cuda_plugin():
+  """The dev environment has no CUDA plugin: a user's script prints nothing from JAX."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if any(importlib.util.find_spec(f"jax_plugins.{name}") for name in
+         ("xla_cuda12", "xla_cuda13") if importlib.util.find_spec("jax_plugins")):
+    pytest.skip("JAX's CUDA plugin is installed here (the gpu-compile extra)")
+  assert _stderr_of(["-c", "import skewadam_jax, jax; jax.numpy.zeros(1)"]) == ""
 
 
 def test_importing_the_library_changes_nothing_outside_it():

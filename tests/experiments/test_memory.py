@@ -21,6 +21,7 @@ from experiments import memory
 from experiments.planning import planner
 from experiments.training import optimizers
 from tests import _subprocess
+from tests import _xla
 
 
 @pytest.mark.parametrize("optimizer", optimizers.OPTIMIZERS)
@@ -54,10 +55,9 @@ def check_analysis(xla, params_and_state_bytes):
   assert xla["argument"] >= params_and_state_bytes
 
 
+@pytest.mark.gpu_compile
 def test_gpu_target_compile_of_tiny():
-  if not planner.gpu_compile_available("a100-40gb"):
-    pytest.skip("gpu-compile extra not installed (jax-cuda12-plugin, nvidia-cuda-nvcc-cu12): "
-                "cannot compile for the A100 target here")
+  _xla.require_gpu_compile()
   _, _, params, _ = steps_lib.abstract_model("tiny", jnp.bfloat16)
   state = jax.eval_shape(planner.make_tx("skewadam", "tiny").init, params)
   result = planner.compile_step(planner.train_config("tiny", "skewadam"), batch=2, seq=16,
@@ -288,10 +288,10 @@ def test_useful_flops_and_the_mesh_defaults():
     planner.mesh_shape(8, 4, "data=1,expert=8")
 
 
+@pytest.mark.gpu_compile
 def test_devices_plan_of_tiny_on_the_gpu_target():
   # The update-in-backward step's sharding runs in _collectives_worker.py.
-  if not planner.gpu_compile_available("a100-40gb"):
-    pytest.skip("gpu-compile extra not installed: cannot compile for the A100 target here")
+  _xla.require_gpu_compile()
   report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=4, seq=16,
                         mesh="data=2,expert=4", search_batch=False)
   assert report["devices"] == 8 and report["mesh"] == {"data": 2, "expert": 4}
@@ -311,9 +311,9 @@ def test_devices_plan_of_tiny_on_the_gpu_target():
   assert len(table) == 3 and "| 8 x a100-40gb, data=2 x expert=4 |" in table[2]
 
 
+@pytest.mark.gpu_compile
 def test_devices_plan_of_the_expert_parallel_layer_moves_tokens():
-  if not planner.gpu_compile_available("a100-40gb"):
-    pytest.skip("gpu-compile extra not installed: cannot compile for the A100 target here")
+  _xla.require_gpu_compile()
   report = planner.plan("tiny", "skewadam", target="a100-40gb", devices=8, batch=8, seq=16,
                         moe_impl="expert_parallel", search_batch=False)
   assert report["moe_impl"] == "expert_parallel" and report["fits"]

@@ -8,10 +8,15 @@ time, and a clipped leaf's update computed twice rather than stored.
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import skewadam_jax
 from experiments.planning import hlo, planner
 from skewadam_jax import transform
+from tests import _xla
+
+# Compiled for the A100 target: XLA:GPU's compiler (.ci/run's gpu_compile environment).
+pytestmark = pytest.mark.gpu_compile
 
 SHARDING, _ = planner.target_sharding("a100-40gb")
 
@@ -30,6 +35,7 @@ def _compiled_update(tx, params):
 
 
 def test_large_leaves_are_stepped_one_at_a_time(monkeypatch):
+  _xla.require_gpu_compile()
   shape = (8, 1024, 2048)  # 16.8M entries: large
   params = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.bfloat16) for i in range(3)}
   leaf_f32 = 4 * 8 * 1024 * 2048
@@ -43,6 +49,7 @@ def test_large_leaves_are_stepped_one_at_a_time(monkeypatch):
 
 
 def test_a_large_clipped_update_is_not_stored_between_its_rms_and_its_division(monkeypatch):
+  _xla.require_gpu_compile()
   params = {"experts": jax.ShapeDtypeStruct((16, 1024, 1024), jnp.bfloat16)}
   n = 16 * 1024 * 1024
   tx = skewadam_jax.skewadam(1e-3, param_labels="expert", clip_threshold="auto")
