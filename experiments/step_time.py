@@ -27,16 +27,18 @@ import pathlib
 import sys
 from typing import Sequence
 
+import models
 from experiments.planning import roofline
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PROGRAMS = RESULTS / "step-time" / "programs"
 MEASURED = RESULTS / "gpu-check" / "h200-2026-12-04.jsonl"
-# Each saved program: the gpu-check record it was measured as, and its layer count.
+# Each saved program: the gpu-check record it was measured as
+# (preset, optimizer, batch, update in backward).
 CALIBRATION = {
-    "moe-6.78b-adamw-batch1-h200": (("moe-6.78b", "adamw", 1, False), 24),
-    "moe-6.78b-skewadam-update-in-backward-batch1-h200": (("moe-6.78b", "skewadam", 1, True), 24),
-    "moe-47b-skewadam-update-in-backward-batch1-h200": (("moe-47b", "skewadam", 1, True), 32),
+    "moe-6.78b-adamw-batch1-h200": ("moe-6.78b", "adamw", 1, False),
+    "moe-6.78b-skewadam-update-in-backward-batch1-h200": ("moe-6.78b", "skewadam", 1, True),
+    "moe-47b-skewadam-update-in-backward-batch1-h200": ("moe-47b", "skewadam", 1, True),
 }
 
 
@@ -64,9 +66,10 @@ def calibrate(programs: pathlib.Path = PROGRAMS, measured: pathlib.Path = MEASUR
   """The per-kernel cost fitted to the measured steps, and each step's estimate."""
   times = measured_steps(measured)
   rows = []
-  for name, (key, layers) in CALIBRATION.items():
+  for name, key in CALIBRATION.items():
     step = roofline.estimate(read_program(programs / f"{name}.hlo.gz"), "h200",
-                             default_trip_count=layers, kernel_overhead_s=0.0)
+                             default_trip_count=models.get_preset(key[0]).num_layers,
+                             kernel_overhead_s=0.0)
     rows.append({"program": name, "measured_seconds": times[key],
                  "roofline_seconds": step.seconds, "kernels": step.kernels})
   # m = r + c * k, least squares in c.

@@ -489,10 +489,9 @@ def step_time_report(estimate: dict | None, config, *, batch: int, seq: int, acc
   """Estimated step seconds, tokens/s and MFU at ``batch`` (× ``accumulate``) from an estimate."""
   if estimate is None:
     return None
-  tokens = batch * accumulate * seq
-  step = roofline.StepEstimate(**estimate)
   return {"batch": batch, **estimate,
-          **roofline.throughput(step, tokens=tokens, target=target, devices=devices,
+          **roofline.throughput(estimate["seconds"], tokens=batch * accumulate * seq,
+                                target=target, devices=devices,
                                 useful_flops=useful_flops(config, batch * accumulate, seq))}
 
 

@@ -255,9 +255,9 @@ def estimate(hlo_text: str, target: str | Roofline, *, default_trip_count: int |
                       kernels=kernels, matmul_flops=flops_total, bytes=bytes_total)
 
 
-def throughput(step: StepEstimate, *, tokens: int, useful_flops: int, target: str | Roofline,
+def throughput(seconds: float, *, tokens: int, useful_flops: int, target: str | Roofline,
                devices: int = 1) -> dict:
-  """Tokens/s and MFU (useful FLOPs over the devices' peak) of an estimated step."""
+  """Tokens/s and MFU (useful FLOPs over the devices' peak) of a step of ``seconds``."""
   roof = TARGETS[target] if isinstance(target, str) else target
-  return {"step_seconds": step.seconds, "tokens_per_second": tokens / step.seconds,
-          "mfu": useful_flops / (step.seconds * devices * roof.peak_flops)}
+  return {"step_seconds": seconds, "tokens_per_second": tokens / seconds,
+          "mfu": useful_flops / (seconds * devices * roof.peak_flops)}

@@ -193,9 +193,8 @@ def accumulated_value_and_grad(loss_fn, accumulate: int, accumulate_dtype: str =
     micro = lambda x: jnp.swapaxes(x.reshape(rows // accumulate, accumulate, *x.shape[1:]), 0, 1)
     acc_dtype = lambda p: jnp.float32 if accumulate_dtype == "float32" else p.dtype
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype(p)), params)
-    shapes = jax.eval_shape(value_and_grad, params, inputs[:rows // accumulate],
-                            targets[:rows // accumulate])
-    (loss_shape, metrics_shape), _ = shapes
+    loss_shape, metrics_shape = jax.eval_shape(loss_fn, params, inputs[:rows // accumulate],
+                                               targets[:rows // accumulate])
     metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32),
                                 (loss_shape, metrics_shape))
 

@@ -80,10 +80,7 @@ def test_a_loop_body_counts_once_per_trip():
 
 
 def test_throughput_and_mfu():
-  step = roofline.StepEstimate(seconds=2.0, compute_seconds=1.0, memory_seconds=1.0,
-                               collective_seconds=0.0, overhead_seconds=0.0, kernels=2,
-                               matmul_flops=0, bytes=0)
-  out = roofline.throughput(step, tokens=4096, useful_flops=1e12, target=ROOF, devices=2)
+  out = roofline.throughput(2.0, tokens=4096, useful_flops=1e12, target=ROOF, devices=2)
   assert out == {"step_seconds": 2.0, "tokens_per_second": 2048.0, "mfu": 0.25}
 
 
