@@ -275,6 +275,9 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-320-b1-0.85]="$RANK84_INT8 --warmup-steps 320 --b1 0.85"
   [muon-scale-rank-84-int8-warmup-320-wd-0.1]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.1"
   [muon-scale-rank-84-int8-warmup-320-wd-0.4]="$RANK84_INT8 --warmup-steps 320 --weight-decay 0.4"
+  [muon-scale-rank-84-int8-warmup-320-factors]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-orthogonalise factors"
+  [muon-scale-rank-11-int8-warmup-320]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11"
+  [muon-scale-rank-11-int8-warmup-320-factors]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11 --expert-lowrank-orthogonalise factors"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do

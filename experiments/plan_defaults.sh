@@ -36,6 +36,11 @@ plan skewadam-update-in-backward-accumulate16 "${A100[@]}" --update-in-backward 
   --accumulate 16 --accumulate-dtype params
 # The library's skewadam() (Adam's direction in both tiers, with the library's own defaults),
 # and SkewAdam's reference row (Adam's backbone): re-planned whenever the library's step changes.
+# The expert momentum orthogonalised through its rank-84 factors (a rank-84 update; the
+# backbone's matrices as the default's)
+FACTORS=(--expert-lowrank-orthogonalise factors)
+plan skewadam-factors "${A100[@]}" "${FACTORS[@]}"
+plan skewadam-factors-update-in-backward "${A100[@]}" "${FACTORS[@]}" --update-in-backward
 ADAM=(--backbone-direction adam --expert-direction adam)
 plan skewadam-adam "${A100[@]}" "${ADAM[@]}"
 plan skewadam-adam-update-in-backward "${A100[@]}" "${ADAM[@]}" --update-in-backward
@@ -60,6 +65,10 @@ EIGHT=(--preset moe-47b --optimizer skewadam --target a100-40gb --devices 8 --ba
 plan moe-47b-8xa100-skewadam-orthogonal "${EIGHT[@]}"
 plan moe-47b-8xa100-skewadam-orthogonal-update-in-backward-data8-fsdp "${EIGHT[@]}" \
   --update-in-backward
+# The same FSDP layout with the expert momentum orthogonalised through its factors: the
+# collectives Newton-Schulz adds (at batch 8 only)
+plan moe-47b-8xa100-skewadam-orthogonal-factors "${EIGHT[@]}" --expert-lowrank-orthogonalise factors \
+  --no-search
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-update-in-backward "${EIGHT[@]}" \
   --moe-impl expert_parallel --update-in-backward
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-fsdp "${EIGHT[@]}" \

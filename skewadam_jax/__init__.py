@@ -64,6 +64,7 @@ from skewadam_jax.layerwise import check_separable
 from skewadam_jax.layerwise import layerwise_step
 from skewadam_jax.layerwise import scanned_matrix_axes
 from skewadam_jax.orthogonal import newton_schulz
+from skewadam_jax.orthogonal import newton_schulz_in_subspace
 from skewadam_jax.plans import plan_table
 from skewadam_jax.rounding import apply_updates_stochastic
 from skewadam_jax.rounding import stochastic_round_to_bf16
@@ -95,7 +96,8 @@ __all__ = [
     "abstract_state_bytes_by_tier", "add_decayed_weights_to_matrices",
     "apply_updates_stochastic", "check_separable", "get_encoding", "label_fn", "label_names",
     "layerwise_step", "leaf_plans",
-    "matrices_only", "moe_param_labels", "named_matrix_axes", "newton_schulz", "orthogonal_settings", "plan_table",
+    "matrices_only", "moe_param_labels", "named_matrix_axes", "newton_schulz",
+    "newton_schulz_in_subspace", "orthogonal_settings", "plan_table",
     "scale_by_skewadam", "scale_by_skewadam_article", "skewadam_article",
     "scanned_matrix_axes", "skewadam", "skewadam_orthogonal",
     "state_bytes_by_tier", "state_bytes_per_param", "state_shardings", "stochastic_round_to_bf16",

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 
 from skewadam_jax import _explicit
 from skewadam_jax import factored
+from skewadam_jax import orthogonal
 from skewadam_jax import rounding
 from skewadam_jax.axes import MatrixAxes
 
@@ -463,6 +464,14 @@ class LowRankEncoding(MomentumEncoding):
     product = p_view.to_matrix(parts["mu_row"].astype(jnp.float32)) @ self._matrix_q_t(parts, axes)
     return p_view.from_matrix(product, p_view.rows, q_view.cols)
 
+  def _basis(self, parts, axes):
+    """``P`` as float32 ``[..., R, r]`` with orthonormal columns."""
+    p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(
+        parts["mu_row"].astype(jnp.float32))
+    if jnp.dtype(self.dtype) == jnp.int8:  # codes: the columns' scales moved into Qᵀ
+      p = _explicit.like(orthonormal_columns(_explicit.replicated(p)), p)
+    return p
+
   def project(self, parts, x, axes):
     """``P·Pᵀ·x``: ``x`` (leaf-shaped) projected on the stored momentum's subspace.
 
@@ -470,14 +479,24 @@ class LowRankEncoding(MomentumEncoding):
     left subspace the stored ``m ≈ P·Qᵀ`` lives in; ``x − P·Pᵀ·x`` is the part
     the encoding drops.
     """
-    p = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(
-        parts["mu_row"].astype(jnp.float32))
-    if jnp.dtype(self.dtype) == jnp.int8:  # codes: the columns' scales moved into Qᵀ
-      p = _explicit.like(orthonormal_columns(_explicit.replicated(p)), p)
+    p = self._basis(parts, axes)
     view = _MatrixView.of(x.shape, axes)
     x_matrix = view.to_matrix(x.astype(jnp.float32))
     projected = p @ (jnp.swapaxes(p, -1, -2) @ x_matrix)
     return view.from_matrix(projected, view.rows, view.cols)
+
+  def orthogonalise(self, parts, x, axes, **newton_schulz_kwargs):
+    """The orthogonal factor of ``P·Pᵀ·x`` (leaf-shaped), through the factors.
+
+    :func:`~skewadam_jax.orthogonal.newton_schulz_in_subspace` with the stored
+    ``P``: Newton–Schulz on the ``r × C`` matrix ``Pᵀ·x``, lifted back by
+    ``P``. A rank-``r`` result, at ``O((R + C)·r²)`` an iteration.
+    """
+    p = self._basis(parts, axes)
+    view = _MatrixView.of(x.shape, axes)
+    out = orthogonal.newton_schulz_in_subspace(p, view.to_matrix(x.astype(jnp.float32)),
+                                               **newton_schulz_kwargs)
+    return view.from_matrix(out, view.rows, view.cols)
 
 
 def orthonormal_columns(x: jax.Array) -> jax.Array:

@@ -74,6 +74,9 @@ from skewadam_jax import orthogonal
 
 SECOND_MOMENT_FORMS = ("exact", "factored")
 DIRECTIONS = ("adam", "orthogonal", "normalized_orthogonal")
+# What an orthogonal direction with low-rank momentum runs Newton–Schulz on
+# (TierConfig.lowrank_orthogonalise).
+LOWRANK_ORTHOGONALISE = ("full", "factors")
 ORTHOGONAL_DIRECTIONS = ("orthogonal", "normalized_orthogonal")
 NU_FIELDS = ("nu", "nu_row", "nu_col")
 FIELDS = ("mu",) + NU_FIELDS + encodings.MOMENTUM_FIELDS[1:]
@@ -153,6 +156,17 @@ class TierConfig:
       the current gradient's alone, at the same singular values as the averaged
       part. 1 (the default) leaves the update as it is; 0 keeps only the
       subspace (a rank-``r`` update). Changes no state.
+    lowrank_orthogonalise: with ``"lowrank"`` momentum and an orthogonal
+      direction, what Newton–Schulz runs on: ``"full"`` (the default: the
+      whole ``R × C`` Nesterov mix) or ``"factors"`` (its projection on the
+      stored momentum's subspace, through the factors:
+      ``P · orth(Pᵀ·(b1·m_t + (1 − b1)·g_t))``,
+      :func:`~skewadam_jax.orthogonal.newton_schulz_in_subspace`; a rank-``r``
+      update whose singular values are the full one's, at ``O((R + C)·r²)``
+      an iteration instead of ``O(R·C·min(R, C))``: 68x fewer FLOPs for a
+      ``1400 × 1024`` expert matrix at rank 84). With ``"factors"`` there is
+      no complement to weigh, so ``lowrank_complement`` must stay 1. Changes
+      no state.
     momentum_rounding: how a ``"bf16"`` momentum is rounded when stored:
       ``"stochastic"`` (the default; unbiased, so the stored EMA follows the
       fp32 one at any ``b1``: within 0.1 % on average after 1000 steps of a
@@ -183,6 +197,7 @@ class TierConfig:
   lowrank_rank: int = 16
   lowrank_complement: float = 1.0
   lowrank_dtype: str = "float32"
+  lowrank_orthogonalise: str = "full"
 
   def __post_init__(self):
     # Checked for every encoding, so a bad value fails where it is written
@@ -230,6 +245,19 @@ class TierConfig:
       raise ValueError(f"lowrank_complement must be in [0, 1], got "
                        f"{self.lowrank_complement!r}.")
     object.__setattr__(self, "lowrank_complement", float(self.lowrank_complement))
+    if self.lowrank_orthogonalise not in LOWRANK_ORTHOGONALISE:
+      raise ValueError(f"Unknown lowrank_orthogonalise {self.lowrank_orthogonalise!r}; "
+                       f"expected one of {LOWRANK_ORTHOGONALISE}.")
+    if self.lowrank_orthogonalise == "factors" and self.momentum != "lowrank":
+      raise ValueError(f"lowrank_orthogonalise='factors' orthogonalises through the low-rank "
+                       f"momentum's factors; momentum={self.momentum!r} has none (use "
+                       "momentum='lowrank').")
+    if self.lowrank_orthogonalise == "factors" and self.lowrank_complement != 1.0:
+      raise ValueError(
+          f"lowrank_complement={self.lowrank_complement} weighs the part of a full "
+          "orthogonalised update outside the momentum's subspace; "
+          "lowrank_orthogonalise='factors' orthogonalises inside the subspace only, so "
+          "there is no such part: leave lowrank_complement at 1.")
     if self.second_moment not in SECOND_MOMENT_FORMS:
       raise ValueError(
           f"Unknown second_moment {self.second_moment!r}; expected one of "
@@ -318,6 +346,8 @@ class LeafPlan(NamedTuple):
     lowrank_complement: for an orthogonalised leaf with low-rank momentum,
       the weight of its update outside the momentum's subspace
       (``TierConfig.lowrank_complement``); ``None`` otherwise.
+    lowrank_orthogonalise: for an orthogonalised leaf with low-rank
+      momentum, ``TierConfig.lowrank_orthogonalise``; ``None`` otherwise.
   """
   tier: str
   encoding: Optional[encodings.MomentumEncoding]
@@ -330,6 +360,7 @@ class LeafPlan(NamedTuple):
   orthogonal_chunk: Union[int, str, None] = None
   orthogonal_dtype: Optional[str] = None
   lowrank_complement: Optional[float] = None
+  lowrank_orthogonalise: Optional[str] = None
 
 
 def _as_tier_config(name: str, value: TierLike, default: TierConfig) -> TierConfig:
@@ -465,6 +496,7 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
     ortho = (config.direction in ORTHOGONAL_DIRECTIONS and axes is not None
              and not _is_complex(leaf) and bool(allow))
     normalized = ortho and config.direction == "normalized_orthogonal"
+    lowrank_ortho = ortho and isinstance(encoding, encodings.LowRankEncoding)
     plans.append(LeafPlan(
         tier=tier, encoding=encoding, axes=axes,
         factored=config.second_moment == "factored" and axes is not None and not ortho,
@@ -473,8 +505,8 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
         orthogonal_scale=config.orthogonal_scale if ortho else None,
         orthogonal_chunk=config.orthogonal_chunk if ortho else None,
         orthogonal_dtype=config.orthogonal_dtype if ortho else None,
-        lowrank_complement=(config.lowrank_complement if ortho and isinstance(
-            encoding, encodings.LowRankEncoding) else None)))
+        lowrank_complement=(config.lowrank_complement if lowrank_ortho else None),
+        lowrank_orthogonalise=(config.lowrank_orthogonalise if lowrank_ortho else None)))
   return plans
 
 
@@ -799,7 +831,10 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
       m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
       nesterov = b1 * m + c1 * g32
       new = plan.encoding.encode(m, axes, salt=count, previous=momentum)
-    update = orthogonal.newton_schulz(nesterov, axes, dtype=plan.orthogonal_dtype)
+    if plan.lowrank_orthogonalise == "factors":
+      update = plan.encoding.orthogonalise(new, nesterov, axes, dtype=plan.orthogonal_dtype)
+    else:
+      update = orthogonal.newton_schulz(nesterov, axes, dtype=plan.orthogonal_dtype)
     if plan.neuron_b2 is not None:
       update, new["nu_col"] = orthogonal.normalize_per_neuron(
           update, momentum["nu_col"], axes, b2n, c2n)

@@ -41,10 +41,27 @@ def _chunk_shape(shape: tuple[int, ...], plan, layer_axis: int | None) -> tuple[
   return total, size * math.prod(shape[a] for a in inner[1:]), rows, cols
 
 
-def _compile_analysis(fn, arg, sharding):
-  """XLA's memory analysis of ``fn(arg)`` compiled for ``sharding``'s device (bytes)."""
-  x = jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=sharding)
-  analysis = jax.jit(fn).lower(x).compile().memory_analysis()
+def _iteration(plan, rows: int, cols: int):
+  """The orthogonalisation of one ``rows × cols`` matrix of ``plan`` and its inputs' shapes.
+
+  Newton–Schulz on the whole matrix, or, with low-rank momentum orthogonalised
+  through its factors (``TierConfig.lowrank_orthogonalise="factors"``), on its
+  projection's ``r × cols`` factor
+  (:func:`skewadam_jax.orthogonal.newton_schulz_in_subspace`, ``P`` of
+  ``rows × r``).
+  """
+  dtype = plan.orthogonal_dtype
+  if plan.lowrank_orthogonalise == "factors":
+    rank = min(plan.encoding.rank, rows, cols)
+    return (lambda p, x: orthogonal.newton_schulz_in_subspace(p, x, dtype=dtype),
+            [(rows, rank), (rows, cols)])
+  return (lambda x: orthogonal.newton_schulz(x, dtype=dtype)), [(rows, cols)]
+
+
+def _compile_analysis(fn, args, sharding):
+  """XLA's memory analysis of ``fn(*args)`` compiled for ``sharding``'s device (bytes)."""
+  xs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+  analysis = jax.jit(fn).lower(*xs).compile().memory_analysis()
   return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
              + analysis.temp_size_in_bytes)
 
@@ -87,14 +104,14 @@ def orthogonalisation(params, axes: dict, skewadam_tiers: dict | None, *, shardi
     total, size, rows, cols = _chunk_shape(tuple(leaf.shape), plan, layer_axis)
     if expert_name in names and size % expert_shards == 0:
       size //= expert_shards
-    ns = lambda x, dtype=plan.orthogonal_dtype: orthogonal.newton_schulz(x, dtype=dtype)  # noqa: E731
-    key = (size, rows, cols, plan.orthogonal_dtype)
+    ns, shapes = _iteration(plan, rows, cols)
+    key = (size, rows, cols, plan.orthogonal_dtype, plan.lowrank_orthogonalise)
     if key not in compiled:
-      compiled[key] = _compile_analysis(ns, jax.ShapeDtypeStruct((size, rows, cols), jnp.float32),
-                                        sharding)
+      compiled[key] = _compile_analysis(
+          ns, [jax.ShapeDtypeStruct((size,) + s, jnp.float32) for s in shapes], sharding)
     # One matrix's FLOPs times the step's count of matrices.
-    result["matmul_flops"] += total * matmul_flops(ns, jax.ShapeDtypeStruct((rows, cols),
-                                                                            jnp.float32))
+    result["matmul_flops"] += total * matmul_flops(
+        ns, *[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     result["matrices"] += total
     if compiled[key] > result["working_set_bytes"]:
       result.update(working_set_bytes=compiled[key], leaf=path, chunk=[size, rows, cols])

@@ -32,6 +32,7 @@ TIER_KEYS = {
     "expert_rank": ("expert", "lowrank_rank", "expert_lowrank_rank"),
     "expert_dtype": ("expert", "lowrank_dtype", "expert_lowrank_dtype"),
     "expert_complement": ("expert", "lowrank_complement", "expert_lowrank_complement"),
+    "expert_orth": ("expert", "lowrank_orthogonalise", "expert_lowrank_orthogonalise"),
     "router_v": ("router", "second_moment", "router_second_moment"),
     "backbone_dir": ("backbone", "direction", "backbone_direction"),
     "expert_dir": ("expert", "direction", "expert_direction"),

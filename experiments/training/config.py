@@ -194,6 +194,12 @@ class TrainConfig:
       None, "with --expert-momentum lowrank and an orthogonal expert direction: the weight "
       "of the update's part outside the momentum's rank-r subspace, 0 to 1 (default: the "
       "library's, 1: the update as orthogonalised)", structural=False, kind=float)
+  expert_lowrank_orthogonalise: str | None = setting(
+      None, "with --expert-momentum lowrank and an orthogonal expert direction: what "
+      "Newton-Schulz runs on, full (the whole matrix) or factors (its projection on the "
+      "momentum's rank-r subspace, through the factors: a rank-r update at a small "
+      "fraction of the FLOPs; default: the library's, full)", structural=False,
+      choices=skewadam_jax.transform.LOWRANK_ORTHOGONALISE, kind=str)
   backbone_momentum: str | None = setting(
       None, "SkewAdam backbone momentum encoding (default: the library's)",
       structural=True, choices=_ENCODINGS, kind=str)
@@ -347,6 +353,9 @@ class TrainConfig:
     complement = self.resolved("expert_lowrank_complement")
     if complement is not None:  # 0 is a value
       expert["lowrank_complement"] = float(complement)
+    orthogonalise = self.resolved("expert_lowrank_orthogonalise")
+    if orthogonalise is not None:
+      expert["lowrank_orthogonalise"] = orthogonalise
     chunk = _chunk_value(self.orthogonal_chunk)
     if chunk is None and _expert_shards(self.mesh) > 1:
       # Strided chunks of the expert axis, one expert a shard: the loop stays
@@ -664,7 +673,8 @@ TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
                "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
                "contain_nonfinite", "nesterov", "expert_lowrank_rank",
-               "expert_lowrank_complement", "expert_lowrank_dtype")
+               "expert_lowrank_complement", "expert_lowrank_dtype",
+               "expert_lowrank_orthogonalise")
 # The expert tier's settings that only its lowrank momentum reads.
 LOWRANK_FIELDS = tuple(f for f in TIER_FIELDS if f.startswith("expert_lowrank_"))
 

@@ -452,6 +452,30 @@ def test_the_orthogonalisation_is_its_own_line_with_its_flops_by_hand(capsys):
   assert adam_direction["orthogonalisation"] is None
 
 
+def test_the_orthogonalisation_through_the_factors_counts_the_small_iteration_by_hand():
+  tiers = config_lib.TrainConfig(expert_lowrank_orthogonalise="factors",
+                                 expert_lowrank_rank=3).skewadam_tiers()
+  report = planner.plan("tiny", "skewadam", target="cpu", seq=16, search_batch=False,
+                        skewadam_tiers=tiers)
+  params = steps_lib.abstract_params("tiny", jnp.bfloat16)
+  axes = steps_lib.abstract_axes("tiny")
+  plans = skewadam_jax.leaf_plans(params, **optimizers.skewadam_axes(axes, tiers),
+                                  **optimizers.tier_configs(tiers))
+  want, experts = 0, 0
+  for leaf, plan in zip(jax.tree.leaves(params), plans):
+    if not plan.orthogonal:
+      continue
+    rows, cols = skewadam_jax.orthogonal.matrix_sides(leaf.shape, plan.axes)
+    count = leaf.size // (rows * cols)
+    if plan.lowrank_orthogonalise == "factors":
+      # Pᵀ·x and P·O (rows x 3 times 3 x cols each), and the iteration on the 3 x cols matrix
+      want += count * (2 * 2 * rows * 3 * cols + _newton_schulz_flops(3, cols))
+      experts += count
+    else:
+      want += count * _newton_schulz_flops(rows, cols)
+  assert experts > 0 and report["orthogonalisation"]["matmul_flops"] == want
+
+
 def test_an_expert_sharded_mesh_chunks_a_bank_one_expert_a_shard():
   tiers = config_lib.TrainConfig(mesh="data=2,expert=4").skewadam_tiers()
   assert tiers["expert"]["orthogonal_chunk"] == 4 and tiers["backbone"]["orthogonal_chunk"] == 4

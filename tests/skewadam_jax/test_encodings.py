@@ -392,3 +392,57 @@ def test_lowrank_complement_weights_the_update_outside_the_momentum_subspace():
   for bad in (1.5, -0.1, True, "half"):
     with pytest.raises(ValueError, match="lowrank_complement must be in"):
       sa.TierConfig("lowrank", "factored", lowrank_complement=bad)
+
+
+def test_lowrank_factors_orthogonalise_the_momentum_subspace_of_the_nesterov_mix():
+  # Layers x experts (layer loop and expert chunks), rows 16 and columns 24 at rank 4.
+  params = {"experts": jnp.zeros((2, 3, 16, 24))}
+  b1 = 0.9
+
+  def run(orthogonalise):
+    tx = sa.scale_by_skewadam(
+        b1=b1, param_labels="expert", matrix_axes=sa.MatrixAxes(2, 3, layer=0),
+        expert=sa.TierConfig("lowrank", "factored", lowrank_rank=4, direction="orthogonal",
+                             lowrank_orthogonalise=orthogonalise))
+    state, steps = tx.init(params), []
+    for step in range(3):
+      g = {"experts": jax.random.normal(jax.random.PRNGKey(step), (2, 3, 16, 24))}
+      before = state
+      u, state = jax.jit(tx.update)(g, state)
+      steps.append((np.asarray(g["experts"]), before, np.asarray(u["experts"]), state))
+    return steps
+
+  full, factors = run("full"), run("factors")
+  # The momentum is stored alike: only the update's input differs.
+  for (_, _, _, a), (_, _, _, b) in zip(full, factors):
+    np.testing.assert_allclose(a.mu_row["experts"] @ a.mu_col["experts"],
+                               b.mu_row["experts"] @ b.mu_col["experts"], rtol=1e-4, atol=1e-6)
+  # By hand on the last step: m = (1 − b1)·g + b1·P₋Q₋ᵀ, n = b1·m + (1 − b1)·g, and the
+  # update is Newton–Schulz of P·Pᵀ·n (the whole 16 x 24 matrix) at Adam's RMS.
+  g, before, update, after = factors[-1]
+  m = (1 - b1) * g + b1 * (np.asarray(before.mu_row["experts"]) @ np.asarray(before.mu_col["experts"]))
+  n = b1 * m + (1 - b1) * g
+  p = np.asarray(after.mu_row["experts"])
+  projected = p @ (np.swapaxes(p, -1, -2) @ n)
+  expected = np.asarray(sa.newton_schulz(jnp.asarray(projected))) * 0.2 * np.sqrt(24)
+  np.testing.assert_allclose(update, expected, rtol=1e-3, atol=2e-5)
+  # A rank-4 update whose singular values are Newton–Schulz's band, and not the full update.
+  singular = np.linalg.svd(update.reshape(6, 16, 24) / (0.2 * np.sqrt(24)), compute_uv=False)
+  assert np.all(singular[:, 4:] < 1e-4) and np.all((singular[:, :4] > 0.6) & (singular[:, :4] < 1.3))
+  assert np.max(np.abs(update - full[-1][2])) > 0.1 * np.max(np.abs(update))
+  # int8 factors run the same way (their codes re-orthonormalised first).
+  tx = sa.scale_by_skewadam(
+      param_labels="expert", matrix_axes=sa.MatrixAxes(2, 3, layer=0),
+      expert=sa.TierConfig("lowrank", "factored", lowrank_rank=4, lowrank_dtype="int8",
+                           direction="orthogonal", lowrank_orthogonalise="factors"))
+  u, _ = jax.jit(tx.update)({"experts": jnp.asarray(g)}, tx.init(params))
+  assert max(np.linalg.matrix_rank(x, tol=1e-4) for x in np.asarray(u["experts"]).reshape(6, 16, 24)) == 4
+
+
+def test_lowrank_orthogonalise_refuses_what_it_cannot_read():
+  with pytest.raises(ValueError, match="Unknown lowrank_orthogonalise 'half'"):
+    sa.TierConfig("lowrank", "factored", lowrank_orthogonalise="half")
+  with pytest.raises(ValueError, match="momentum='sign' has none"):
+    sa.TierConfig("sign", "factored", lowrank_orthogonalise="factors")
+  with pytest.raises(ValueError, match="leave lowrank_complement at 1"):
+    sa.TierConfig("lowrank", "factored", lowrank_orthogonalise="factors", lowrank_complement=0.5)

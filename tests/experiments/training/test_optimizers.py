@@ -199,6 +199,25 @@ def test_expert_lowrank_complement_reaches_the_expert_tier():
     TrainConfig(expert_lowrank_complement=2.0).validate()
 
 
+def test_expert_lowrank_orthogonalise_reaches_the_expert_tier():
+  import argparse  # pylint: disable=import-outside-toplevel
+  import skewadam_jax as sa  # pylint: disable=import-outside-toplevel
+  from experiments.training import config as config_lib  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser()
+  config_lib.add_flags(parser, config_lib.TIER_FIELDS)
+  tiers = config_lib.tiers_from_args(parser.parse_args(["--expert-lowrank-orthogonalise",
+                                                        "factors"]))
+  assert tiers["expert"]["lowrank_orthogonalise"] == "factors"
+  assert TrainConfig(**config_lib.tier_fields(tiers)).skewadam_tiers() == tiers
+  expert = sa.TierConfig(**optimizers.tier_configs(tiers)["expert"])
+  assert (expert.lowrank_orthogonalise, expert.momentum) == ("factors", "lowrank")
+  assert "lowrank_orthogonalise" not in TrainConfig().skewadam_tiers()["expert"]
+  with pytest.raises(ValueError, match="leave lowrank_complement at 1"):
+    TrainConfig(expert_lowrank_orthogonalise="factors", expert_lowrank_complement=0.5).validate()
+  with pytest.raises(ValueError, match="lowrank_orthogonalise .half."):
+    TrainConfig(expert_lowrank_orthogonalise="half").validate()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_expert_lowrank_dtype_reaches_the_expert_tier(dtype):
   import argparse  # pylint: disable=import-outside-toplevel
