@@ -468,6 +468,10 @@ TRAIN_STEPS = {
     "skewadam orthogonal": {"optimizer": "skewadam", "backbone_direction": "orthogonal",
                             "expert_direction": "orthogonal"},
     "muon": {"optimizer": "muon"},
+    # The default with its expert momentum orthogonalised through its factors.
+    "skewadam orthogonal, expert factors": {
+        "optimizer": "skewadam", "backbone_direction": "orthogonal",
+        "expert_direction": "orthogonal", "expert_lowrank_orthogonalise": "factors"},
 }
 
 

@@ -921,10 +921,10 @@ def markdown_orthogonal_table(reports: Sequence[dict]) -> str:
   and at the largest batch that fits, beside the model's useful FLOPs a token
   (:func:`useful_flops`, the same at any batch).
   """
-  lines = ["| preset | step | target | chunk (largest working set) | working set a device "
-           "| Newton–Schulz FLOPs a step | a token, planned batch | a token, largest batch "
-           "| useful FLOPs a token |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| preset | step | target | expert matrices | chunk (largest working set) "
+           "| working set a device | Newton–Schulz FLOPs a step | a token, planned batch "
+           "| a token, largest batch | useful FLOPs a token |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in reports:
     ortho = r.get("orthogonalisation")
     if not ortho:
@@ -938,8 +938,11 @@ def markdown_orthogonal_table(reports: Sequence[dict]) -> str:
     step = "update in backward" if r.get("update_in_backward") else "standard"
     where = r["target"] if r.get("devices", 1) == 1 else f"{r['devices']} x {r['target']}"
     size, rows, cols = ortho["chunk"]
+    expert = (r.get("skewadam_tiers") or {}).get("expert") or {}
+    experts = (f"through rank-{expert.get('lowrank_rank', 16)} factors"
+               if expert.get("lowrank_orthogonalise") == "factors" else "whole")
     lines.append(
-        f"| {r['preset']} | {step} | {where} | {size} × {rows}×{cols} "
+        f"| {r['preset']} | {step} | {where} | {experts} | {size} × {rows}×{cols} "
         f"| {ortho['working_set_bytes'] / GB:.3f} GB | {ortho['matmul_flops']:.3g} "
         f"| {ortho['matmul_flops'] / tokens:.3g} ({ortho['matmul_flops'] / tokens / useful:.2f}×, "
         f"batch {r['batch']}) | {at_largest} | {useful:.3g} |")
@@ -974,6 +977,9 @@ def markdown_devices_table(reports: Sequence[dict]) -> str:
     step = "in backward" if r.get("update_in_backward") else "standard"
     if r.get("moe_impl") == "expert_parallel":
       step += ", expert-parallel MoE"
+    if ((r.get("skewadam_tiers") or {}).get("expert") or {}).get(
+        "lowrank_orthogonalise") == "factors":
+      step += ", experts orthogonalised through their factors"
     devices = r.get("devices", 1)
     mesh = r.get("mesh") or {"data": 1, "expert": 1}
     layout = (f"one {r['target']}" if devices == 1 else
