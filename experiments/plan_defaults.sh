@@ -69,6 +69,9 @@ plan moe-47b-8xa100-skewadam-orthogonal-update-in-backward-data8-fsdp "${EIGHT[@
 # collectives Newton-Schulz adds (at batch 8 only)
 plan moe-47b-8xa100-skewadam-orthogonal-factors "${EIGHT[@]}" --expert-lowrank-orthogonalise factors \
   --no-search
+# and each backbone matrix iterated whole on one owner device of the data axis
+plan moe-47b-8xa100-skewadam-orthogonal-factors-owners "${EIGHT[@]}" \
+  --expert-lowrank-orthogonalise factors --orthogonal-owner-axes data --no-search
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-update-in-backward "${EIGHT[@]}" \
   --moe-impl expert_parallel --update-in-backward
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-fsdp "${EIGHT[@]}" \

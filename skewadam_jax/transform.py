@@ -136,6 +136,19 @@ class TierConfig:
       ``"all"`` (the whole slice at once: the iteration's float32 temporaries
       are then several copies of a layer's bank). The chunks run in a loop, so
       the direction is the same to float32 round-off whatever the chunking.
+    orthogonal_owner_axes: mesh axis names (a name or a tuple) over which the
+      matrices of a chunk are spread whole, one set a device, before they are
+      orthogonalised: a stacked leaf whose matrices a data-parallel layout
+      (FSDP) splits is then iterated where each matrix lives whole, and the
+      iteration's products are not all-reduced across the split (each
+      matrix's Nesterov mix is resharded to its owner device and its update
+      back: about a copy of the matrices, against five iterations of
+      all-reduced Gram matrices). Read under a context mesh
+      (``jax.set_mesh`` or ``jax.sharding.use_abstract_mesh``) that has those
+      axes; without a context mesh (one device) it changes nothing. A chunk
+      then holds a multiple of the owners' count (a slice whose stack does
+      not divide over them keeps the usual chunks). ``()`` (the default):
+      no resharding. Changes no state and, to float32 round-off, no update.
     orthogonal_dtype: the Newton–Schulz iterates' dtype, ``"float32"`` or
       ``"bfloat16"`` (products accumulated in float32; Muon's usual precision,
       half the temporaries).
@@ -193,6 +206,7 @@ class TierConfig:
   orthogonal_scale: str = "adam_rms"
   orthogonal_chunk: Union[int, str] = "auto"
   orthogonal_dtype: str = "float32"
+  orthogonal_owner_axes: Union[str, tuple[str, ...]] = ()
   momentum_rounding: str = "stochastic"
   lowrank_rank: int = 16
   lowrank_complement: float = 1.0
@@ -224,6 +238,13 @@ class TierConfig:
     if self.orthogonal_scale not in orthogonal.SCALES:
       raise ValueError(f"Unknown orthogonal_scale {self.orthogonal_scale!r}; expected one of "
                        f"{orthogonal.SCALES}.")
+    owners = self.orthogonal_owner_axes
+    owners = ((owners,) if isinstance(owners, str)
+              else tuple(owners) if isinstance(owners, (tuple, list)) else (owners,))
+    if not all(isinstance(a, str) and a for a in owners):
+      raise ValueError(f"orthogonal_owner_axes must be mesh axis names (a str or a tuple of "
+                       f"str), got {self.orthogonal_owner_axes!r}.")
+    object.__setattr__(self, "orthogonal_owner_axes", owners)
     orthogonal.check_chunk(self.orthogonal_chunk)
     if not isinstance(self.orthogonal_chunk, str):
       object.__setattr__(self, "orthogonal_chunk", int(self.orthogonal_chunk))
@@ -341,8 +362,9 @@ class LeafPlan(NamedTuple):
       per-neuron second moment; ``None`` otherwise.
     orthogonal_scale: for an orthogonalised leaf, how its update is scaled
       (``TierConfig.orthogonal_scale``); ``None`` otherwise.
-    orthogonal_chunk, orthogonal_dtype: for an orthogonalised leaf, its
-      Newton–Schulz schedule (``TierConfig``'s); ``None`` otherwise.
+    orthogonal_chunk, orthogonal_dtype, orthogonal_owner_axes: for an
+      orthogonalised leaf, its Newton–Schulz schedule (``TierConfig``'s);
+      ``None`` otherwise.
     lowrank_complement: for an orthogonalised leaf with low-rank momentum,
       the weight of its update outside the momentum's subspace
       (``TierConfig.lowrank_complement``); ``None`` otherwise.
@@ -359,6 +381,7 @@ class LeafPlan(NamedTuple):
   orthogonal_scale: Optional[str] = None
   orthogonal_chunk: Union[int, str, None] = None
   orthogonal_dtype: Optional[str] = None
+  orthogonal_owner_axes: Optional[tuple[str, ...]] = None
   lowrank_complement: Optional[float] = None
   lowrank_orthogonalise: Optional[str] = None
 
@@ -505,6 +528,7 @@ def leaf_plans(tree, *, param_labels=None, matrix_axes=None, backbone: TierLike 
         orthogonal_scale=config.orthogonal_scale if ortho else None,
         orthogonal_chunk=config.orthogonal_chunk if ortho else None,
         orthogonal_dtype=config.orthogonal_dtype if ortho else None,
+        orthogonal_owner_axes=config.orthogonal_owner_axes if ortho else None,
         lowrank_complement=(config.lowrank_complement if lowrank_ortho else None),
         lowrank_orthogonalise=(config.lowrank_orthogonalise if lowrank_ortho else None)))
   return plans
@@ -790,6 +814,29 @@ def _adam_step(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   return update, new
 
 
+def _owner_devices(mesh_axes) -> int:
+  """How many devices the context mesh has over ``mesh_axes`` (1 without a context mesh)."""
+  if not mesh_axes:
+    return 1
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  missing = [a for a in mesh_axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"orthogonal_owner_axes names mesh axes {missing} that the context mesh "
+                     f"(axes {tuple(mesh.axis_names)}) does not have.")
+  return math.prod(mesh.shape[a] for a in mesh_axes)
+
+
+def _spread_over(x, *, axis: int, mesh_axes: tuple[str, ...]):
+  """``x`` with ``axis`` split over ``mesh_axes`` and every other axis whole on a device."""
+  spec = [None] * x.ndim
+  spec[axis] = mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
+  if _explicit.explicit_spec(x) is not None:
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
+
+
 def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
                      contain_nonfinite=False, clip=None):
   """An orthogonalised matrix's step: its momentum stored, Muon's direction returned.
@@ -818,7 +865,7 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
   b1, c1 = b1
   b2n, c2n = (None, None) if plan.neuron_b2 is None else _decay(plan.neuron_b2)
 
-  def step(g_s, momentum, axes):
+  def step(g_s, momentum, axes, spread=None):
     if clip is not None:
       g_s = clip(g_s)
     g32 = g_s.astype(jnp.float32)
@@ -831,6 +878,8 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
       m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
       nesterov = b1 * m + c1 * g32
       new = plan.encoding.encode(m, axes, salt=count, previous=momentum)
+    if spread is not None:
+      nesterov = spread(nesterov)
     if plan.lowrank_orthogonalise == "factors":
       update = plan.encoding.orthogonalise(new, nesterov, axes, dtype=plan.orthogonal_dtype)
     else:
@@ -852,8 +901,18 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
     if not inner_batch:
       return step(g_s, momentum, axes)
     rows, cols = orthogonal.matrix_sides(g_s.shape, axes)
-    size = orthogonal.chunk_size(g_s.shape[inner_batch[0]], rows * cols, plan.orthogonal_chunk)
-    return orthogonal.map_in_chunks(lambda t: step(*t, axes), (g_s, momentum),
+    count = g_s.shape[inner_batch[0]]
+    owners = _owner_devices(plan.orthogonal_owner_axes)
+    spread = None
+    if owners > 1 and count % owners == 0:
+      # Each owner device a whole matrix of every chunk (strided, so the chunk's
+      # members are any of the stack's).
+      size = owners * orthogonal.chunk_size(count // owners, rows * cols, plan.orthogonal_chunk)
+      spread = functools.partial(_spread_over, axis=inner_batch[0],
+                                 mesh_axes=plan.orthogonal_owner_axes)
+    else:
+      size = orthogonal.chunk_size(count, rows * cols, plan.orthogonal_chunk)
+    return orthogonal.map_in_chunks(lambda t: step(*t, axes, spread), (g_s, momentum),
                                     inner_batch[0], size)
 
   matrix = plan.axes.row_axes + plan.axes.col_axes

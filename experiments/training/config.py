@@ -238,6 +238,13 @@ class TrainConfig:
       None, "with an orthogonal direction: the Newton-Schulz iterates' dtype, float32 or "
       "bfloat16 (float32 accumulation); default: the library's (float32)", structural=True,
       choices=skewadam_jax.orthogonal.COMPUTE_DTYPES, kind=str)
+  orthogonal_owner_axes: str | None = setting(
+      None, "with an orthogonal backbone: the mesh axes (comma-separated, e.g. data) over "
+      "which each chunk of the backbone's matrices is spread whole before Newton-Schulz, so a "
+      "matrix split by FSDP is iterated on one owner device instead of all-reducing the "
+      "iteration's products (the expert banks are left as they are: split by expert "
+      "parallelism, or orthogonalised through their factors); default: none",
+      structural=False, kind=str)
   momentum_rounding: str | None = setting(
       None, "SkewAdam: how a bf16 momentum is rounded when stored, stochastic (unbiased) or "
       "nearest; default: the library's (stochastic)", structural=True,
@@ -374,6 +381,10 @@ class TrainConfig:
                 if v}
     if schedule and self.backbone_direction != optimizers.LIBRARY_DIRECTION:
       backbone.update(schedule)
+    owners = tuple(a.strip() for a in (self.orthogonal_owner_axes or "").split(",")
+                   if a.strip())
+    if owners and self.backbone_direction != optimizers.LIBRARY_DIRECTION:
+      backbone["orthogonal_owner_axes"] = owners
     if backbone:
       tiers["backbone"] = backbone
     router_second_moment = self.resolved("router_second_moment")
@@ -671,7 +682,8 @@ def _clip_value(text: str | None):
 TIER_FIELDS = ("expert_momentum", "backbone_momentum", "backbone_second_moment",
                "router_second_moment", "backbone_direction", "expert_direction",
                "backbone_orthogonal_scale", "expert_orthogonal_scale", "orthogonal_chunk",
-               "orthogonal_dtype", "orthogonal_rest_tier", "momentum_rounding", "update_clip",
+               "orthogonal_dtype", "orthogonal_owner_axes", "orthogonal_rest_tier",
+               "momentum_rounding", "update_clip",
                "contain_nonfinite", "nesterov", "expert_lowrank_rank",
                "expert_lowrank_complement", "expert_lowrank_dtype",
                "expert_lowrank_orthogonalise")
@@ -753,6 +765,9 @@ def tier_fields(tiers: dict, *, library_directions: bool = True) -> dict:
     for key, value in dict(settings).items():
       if key in ("orthogonal_chunk", "orthogonal_dtype", "momentum_rounding"):
         fields[key] = str(value)  # one flag for every tier
+        continue
+      if key == "orthogonal_owner_axes":
+        fields[key] = ",".join((value,) if isinstance(value, str) else value)
         continue
       name = f"{tier}_{key}"
       if name not in TIER_FIELDS:

@@ -270,6 +270,14 @@ def test_collective_bytes_of_known_collectives_on_8_cpu_devices():
   # the group's axis (w_gate and w_up stacked, replicated), then the bank's own
   assert uib_result["expert_momentum_spec"] == ["None", "None", "expert", "None", "None"]
   assert uib_result["max_param_diff"] < 1e-5
+  # Owner devices: the split stack's Newton–Schulz all-reduces its products; with
+  # orthogonal_owner_axes each matrix is iterated whole on one device (resharded by an
+  # all-to-all), nothing is all-reduced, and the update is the same.
+  owners = result["owner_devices"]
+  assert owners["plain"]["all-reduce"] > 0 and owners["plain"]["all-to-all"] == 0
+  assert owners["owned"]["all-reduce"] == 0 and owners["owned"]["all-to-all"] > 0
+  assert sum(owners["owned"].values()) < sum(owners["plain"].values()) / 2
+  assert owners["max_update_diff"] < 1e-4 * owners["max_update"]
 
 
 def test_useful_flops_and_the_mesh_defaults():

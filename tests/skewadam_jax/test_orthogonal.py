@@ -343,3 +343,27 @@ def test_the_update_steps_a_banks_experts_in_chunks_and_matches_the_whole_bank(e
   for chunk in (2, "auto"):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6),
                  results[chunk], results["all"])
+
+
+def test_owner_axes_are_mesh_axis_names_and_a_missing_one_is_named():
+  assert sa.TierConfig(orthogonal_owner_axes="data").orthogonal_owner_axes == ("data",)
+  assert sa.TierConfig(orthogonal_owner_axes=["data", "expert"]).orthogonal_owner_axes == (
+      "data", "expert")
+  for bad in (3, ("data", ""), (None,)):
+    with pytest.raises(ValueError, match="orthogonal_owner_axes must be mesh axis names"):
+      sa.TierConfig(orthogonal_owner_axes=bad)
+  params = {"w": jnp.ones((4, 8, 8))}
+  tx = sa.scale_by_skewadam(param_labels="backbone", matrix_axes=sa.MatrixAxes(1, 2),
+                            backbone=sa.TierConfig(direction="orthogonal",
+                                                   orthogonal_owner_axes="model"))
+  state = tx.init(params)
+  # Without a context mesh (one device) the setting changes nothing.
+  plain = sa.scale_by_skewadam(param_labels="backbone", matrix_axes=sa.MatrixAxes(1, 2),
+                               backbone=sa.TierConfig(direction="orthogonal"))
+  np.testing.assert_array_equal(tx.update(params, state)[0]["w"],
+                                plain.update(params, plain.init(params))[0]["w"])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with pytest.raises(ValueError, match=r"names mesh axes \['model'\] that the context mesh "
+                                         r"\(axes \('data',\)\) does not have"):
+      tx.update(params, state)
