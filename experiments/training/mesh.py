@@ -42,6 +42,8 @@ training command's batches) has each process read only its own rows.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -340,6 +342,33 @@ def sharded_init(tx, shardings: TrainShardings) -> Callable:
                  out_shardings=shardings.opt_state)
 
 
+# The parameters' shardings while a sharded step is traced (sharded_train_step).
+_PARAMETER_LAYOUT = contextvars.ContextVar("parameter_layout", default=None)
+
+
+@contextlib.contextmanager
+def parameter_layout(shardings):
+  """While tracing, :func:`in_parameter_layout` pins gradients to ``shardings``."""
+  token = _PARAMETER_LAYOUT.set(shardings)
+  try:
+    yield
+  finally:
+    _PARAMETER_LAYOUT.reset(token)
+
+
+def in_parameter_layout(grads):
+  """``grads`` constrained to their parameters' shardings inside :func:`sharded_train_step`.
+
+  The backward pass then lays the gradients out as the parameters are, whatever
+  the optimizer does with them next: a layout the optimizer asks for (owner
+  devices for the orthogonalisation, ``TierConfig.orthogonal_owner_axes``) is
+  reached by resharding the gradients, not propagated back into the layer
+  loop's gradient stacks. Outside a sharded step it returns ``grads`` as they are.
+  """
+  shardings = _PARAMETER_LAYOUT.get()
+  return grads if shardings is None else jax.lax.with_sharding_constraint(grads, shardings)
+
+
 def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
                        donate: bool = True) -> Callable:
   """Compiles ``train_step(params, opt_state, inputs, targets, **kwargs)`` for the mesh.
@@ -368,7 +397,7 @@ def sharded_train_step(train_step: Callable, shardings: TrainShardings, *,
   def step(params, opt_state, inputs, targets, kwargs):
     # The mesh is the context while tracing: the expert-parallel MoE layer
     # (models/expert_parallel.py) runs its shard_map on it.
-    with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(s.mesh.abstract_mesh), parameter_layout(s.params):
       return train_step(params, opt_state, inputs, targets, **kwargs)
 
   return jax.jit(step,

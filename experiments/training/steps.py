@@ -27,6 +27,7 @@ from flax import nnx
 
 import models
 import skewadam_jax
+from experiments.training import mesh as mesh_lib
 from experiments.training import optimizers
 from models import layerwise as model_layerwise
 from skewadam_jax import layerwise as layerwise_lib
@@ -242,6 +243,7 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False,
   def train_step(params, opt_state, inputs, targets, key=None, grad_scale=None):
     (_, metrics), grads = accumulated_value_and_grad(loss, accumulate, accumulate_dtype)(
         params, inputs, targets)
+    grads = mesh_lib.in_parameter_layout(grads)
     if grad_scale is not None:  # in each leaf's dtype, so bf16 grads stay bf16
       grads = jax.tree.map(lambda g: g * jnp.asarray(grad_scale, g.dtype), grads)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -127,6 +127,25 @@ def test_param_shardings_fsdp_with_the_expert_parallel_moe_split_the_backbone_ov
   assert specs["final_norm/scale"] == ()
 
 
+def test_gradients_are_pinned_to_the_parameter_layout_only_in_a_sharded_step():
+  mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+  grads = {"w": jnp.ones((4, 8))}
+  layout = {"w": NamedSharding(mesh, P(None, "data"))}
+
+  def constraints(fn):
+    return [e for e in jax.make_jaxpr(fn)(grads).eqns if e.primitive.name == "sharding_constraint"]
+
+  assert constraints(mesh_lib.in_parameter_layout) == []
+
+  def pinned(g):
+    with mesh_lib.parameter_layout(layout):
+      return mesh_lib.in_parameter_layout(g)
+
+  (eqn,) = constraints(pinned)
+  assert eqn.params["sharding"].spec == P(None, "data")
+  assert constraints(mesh_lib.in_parameter_layout) == []  # the layout is reset after the block
+
+
 def test_param_shardings_need_experts_to_divide(tiny_params, tiny_axes):
   with pytest.raises(ValueError, match="'layers/moe/experts/w_down'.*'experts', size 4.*"
                      "expert=3"):
