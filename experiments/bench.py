@@ -50,8 +50,8 @@ import optax
 
 import experiments
 from experiments.planning import hlo, planner
+from experiments.studies import equal_time
 from experiments.studies.comparison import machine_text
-from experiments.training import run as training
 from experiments.training import steps as steps_lib
 from experiments.training.config import TrainConfig
 import skewadam_jax
@@ -476,24 +476,14 @@ TRAIN_STEPS = {
 
 
 def bench_train_step(*, steps: int, rounds: int) -> dict:
-  """tokens/s of the ``small`` train step for each of :data:`TRAIN_STEPS`, alternating rounds."""
-  runs = {}
-  for name, overrides in TRAIN_STEPS.items():
-    run = training.Run(TrainConfig(preset="small", steps=1000, **overrides))
-    params, state = run.init_state()
-    batches = [run.dataset.batch_at(i) for i in range(steps)]
-    runs[name] = [run, params, state, batches, []]
-  tokens = runs["skewadam"][3][0][0].size * steps
-  for _ in range(rounds + 1):  # the first round compiles and warms up
-    for name, entry in runs.items():
-      run, params, state, batches, times = entry
-      t0 = time.perf_counter()
-      for inputs, targets in batches:
-        params, state, metrics = run.train_step(params, state, inputs, targets)
-      jax.block_until_ready(params)
-      times.append(time.perf_counter() - t0)
-      entry[1], entry[2] = params, state
-  result = {name: tokens / statistics.median(entry[4][1:]) for name, entry in runs.items()}
+  """tokens/s of the ``small`` train step for each of :data:`TRAIN_STEPS`, alternating rounds
+  (:func:`experiments.studies.equal_time.measure_step_seconds`)."""
+  configs = {name: TrainConfig(preset="small", steps=1000, **overrides)
+             for name, overrides in TRAIN_STEPS.items()}
+  seconds = equal_time.measure_step_seconds(configs, steps=steps, rounds=rounds)
+  config = configs["skewadam"]
+  tokens = config.batch_size * (config.seq_len or config.model_config().max_seq_len)
+  result = {name: tokens / s for name, s in seconds.items()}
   return {"tokens_per_s": result, "ratio_skewadam_to_adamw": result["skewadam"] / result["adamw"],
           "step_time_ratio_to_adamw": {name: result["adamw"] / tps
                                        for name, tps in result.items()},

@@ -25,6 +25,13 @@ centred on the rates the shorter sweep tuned, with its runs' folders kept in
 ``experiments/results/compare-long-runs`` so that ``--reuse-runs`` continues
 it across sessions (``experiments/long_protocol.sh``).
 
+``--equal-time`` gives every contender AdamW's wall-clock for ``--steps`` steps
+instead of the same steps: each contender's train step is timed first, side by
+side in this process (:mod:`experiments.studies.equal_time`), its final runs
+train for the budget over its step time with their schedule ending there
+(folders ``NAME-stepsN-seedS``), and each row records its ``steps`` and
+``budget`` (the seconds a step measured, its own and AdamW's).
+
 Everything else is shared: the preset, the corpus and its split, batch and
 sequence length, the warmup + cosine schedule shape, clipping at 1.0 and
 decoupled weight decay 0.1 on matrices (see ``experiments/training/optimizers.py``).
@@ -57,6 +64,7 @@ the library, and keeps the rest (:func:`merge_rows`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -68,7 +76,10 @@ import jax
 
 import experiments
 from experiments.studies import comparison
-from experiments.studies.sweeps import base_config, parse_entries, resolve_entry
+from experiments.studies import equal_time
+from experiments.studies import sweeps
+from experiments.studies.sweeps import base_config, entry_key, parse_entries, resolve_entry
+from experiments.studies.sweeps import row_key
 from experiments.training import config as config_lib
 from experiments.training import optimizers
 
@@ -135,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--lr-factors", default=None, metavar="F,F,...",
                       help="the sweep's grid as multiples of the centre rate (default "
                       "0.333,1,3 around the optimizer's default rate)")
+  parser.add_argument("--equal-time", action="store_true",
+                      help="every contender trains for the wall-clock AdamW takes for --steps "
+                      "steps: each one's train step is timed first, side by side in this "
+                      "process, and its final runs take the budget over its step time "
+                      "(experiments/studies/equal_time.py)")
   parser.add_argument("--no-progress", action="store_true", help="no overall progress bar")
   parser.add_argument("--reuse-runs", action="store_true",
                       help="read runs already finished with the same configuration instead of "
@@ -201,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        eval_batches=budget["eval_batches"], model=model)
     out = pathlib.Path(args.out)
     runs = pathlib.Path(args.runs) if args.runs else out / "runs"
+    steps_by_entry, step_seconds = (
+        _equal_time_steps(entries, base, budget["steps"]) if args.equal_time else (None, None))
     rows = comparison.compare(entries, base=base, out_dir=runs,
                    steps=budget["steps"], sweep_steps=budget["sweep_steps"], seeds=budget["seeds"],
                    lr_factors=factors, max_extensions=budget["max_extensions"],
@@ -208,15 +226,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                    keep_checkpoints=args.keep_checkpoints, progress=not args.no_progress,
                    reuse_runs=args.reuse_runs,
                    fixed_lrs=saved_rates if saved_rates is not None and not around else None,
-                   sweep_around=saved_rates if around else None)
+                   sweep_around=saved_rates if around else None,
+                   steps_by_entry=steps_by_entry)
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
   machine = comparison.machine_text()
   for row in rows:
     row["machine"] = machine
+    if step_seconds is not None:
+      row["budget"] = {"kind": "equal time", "reference": equal_time.REFERENCE,
+                       "reference_steps": budget["steps"],
+                       "step_seconds": step_seconds[row_key(row)],
+                       "reference_step_seconds": step_seconds[entry_key(equal_time.REFERENCE,
+                                                                        None)]}
   rows = rows if kept is None else comparison.merge_rows(kept, rows)
   return write(rows, out, step_time=not args.quick)
+
+
+def _equal_time_steps(entries, base, steps: int) -> tuple[dict, dict]:
+  """Each entry's steps at AdamW's wall-clock for ``steps`` steps, and the seconds
+  a step each measured (by :func:`~experiments.sweeps.entry_key`; AdamW's
+  timed too when it is not an entry)."""
+  configs = {}
+  for optimizer, config in list(entries) + [(equal_time.REFERENCE, None)]:
+    resolved = resolve_entry(optimizer, config)
+    overrides = sweeps.train_overrides(resolved) if resolved else {}
+    configs.setdefault(entry_key(optimizer, resolved), dataclasses.replace(
+        base, optimizer=optimizer, steps=steps, **overrides))
+  print(f"compare: timing {len(configs)} train steps side by side for the equal-time budget",
+        file=sys.stderr, flush=True)
+  seconds = equal_time.measure_step_seconds(configs)
+  return (equal_time.equal_time_steps(seconds, steps,
+                                      reference=entry_key(equal_time.REFERENCE, None)),
+          seconds)
 
 
 def _saved_rates(args, entries) -> list[dict] | None:

@@ -209,7 +209,8 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
             max_extensions: int = 2, cache_dir=None, log=print,
             keep_checkpoints: bool = False, progress: bool = False,
             reuse_runs: bool = False, fixed_lrs: Sequence[dict] | None = None,
-            sweep_around: Sequence[dict] | None = None) -> list[dict]:
+            sweep_around: Sequence[dict] | None = None,
+            steps_by_entry: dict | None = None) -> list[dict]:
   """Runs the protocol for ``entries`` = [(optimizer, SkewAdam configuration or None)].
 
   SkewAdam configurations are resolved against the defaults and run once
@@ -225,7 +226,11 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   (rows of a saved comparison) the grid is ``lr_factors`` times each entry's
   rate there instead of times the optimizer's default rate. When the sweep
   trains as long as the final runs (``sweep_steps == steps``), the best rate's
-  sweep run is the first seed's final run: it is not trained twice.
+  sweep run is the first seed's final run: it is not trained twice. With
+  ``steps_by_entry`` (:func:`~experiments.sweeps.entry_key` → steps; an equal
+  time budget, :mod:`experiments.studies.equal_time`) an entry's final runs
+  train for its own steps, warmup a tenth of them; every row records its
+  ``steps``.
   """
   out_dir = pathlib.Path(out_dir)
   rows, seen = [], []
@@ -289,19 +294,22 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
     bar.refresh()
     best_lr = (fixed[entry_key(optimizer, config)] if fixed_lrs is not None
                else min(sweep, key=score)["lr"])
-    same_budget = fixed_lrs is None and sweep_steps == steps
+    own_steps = (steps_by_entry or {}).get(entry_key(optimizer, config), steps)
+    same_budget = fixed_lrs is None and sweep_steps == own_steps
     if same_budget:  # the best rate's sweep run is the first seed's final run
       clock.drop(optimizer, 1)
+    # An equal-time run's folder names its steps: it is not the equal-steps run.
+    stem = name if own_steps == steps else f"{name}-steps{own_steps}"
     finals = [sweep_runs[best_lr] if same_budget and seed == seeds[0] else
-              run_one(base, out_dir / f"{name}-seed{seed}", cache_dir,
-                      optimizer=optimizer, lr=best_lr, steps=steps, seed=seed,
-                      warmup_steps=max(1, steps // 10), **overrides) for seed in seeds]
+              run_one(base, out_dir / f"{stem}-seed{seed}", cache_dir,
+                      optimizer=optimizer, lr=best_lr, steps=own_steps, seed=seed,
+                      warmup_steps=max(1, own_steps // 10), **overrides) for seed in seeds]
     bar.update(len(finals))
     ppls = [f["val_ppl"] for f in finals]
     tiers = dataclasses.replace(base, **overrides).skewadam_tiers()  # pylint: disable=no-member
     rows.append({
         "optimizer": optimizer, "config": config or "default", "lr": best_lr,
-        "seeds": list(seeds), "val_ppl_by_seed": ppls,
+        "steps": own_steps, "seeds": list(seeds), "val_ppl_by_seed": ppls,
         "val_ppl_mean": statistics.mean(ppls),
         "val_ppl_std": statistics.stdev(ppls) if len(ppls) > 1 else 0.0,
         "opt_state_bytes_small": finals[0]["opt_state_bytes"],
@@ -366,14 +374,17 @@ def markdown_table(rows: Sequence[dict], *, step_time: bool = True) -> str:
   ``step_time=False`` leaves out the step-time column (a timing: the rest of
   the table is a pure function of the code and the machine's CPU type).
   """
-  head = ("| optimizer | config | lr | val ppl (mean ± std) | seeds | state, this preset "
-          "| state, moe-6.78b |")
+  # Rows of an equal-time budget (or of several step counts) show their steps.
+  steps = len({r.get("steps") for r in rows}) > 1 or any("budget" in r for r in rows)
+  head = ("| optimizer | config | lr |" + (" steps |" if steps else "")
+          + " val ppl (mean ± std) | seeds | state, this preset | state, moe-6.78b |")
   lines = [head + (" step time ÷ AdamW |" if step_time else ""),
-           "|---" * (7 + step_time) + "|"]
+           "|---" * (7 + steps + step_time) + "|"]
   for r in rows:
     seeds = ", ".join(f"{p:.2f}" for p in r.get("val_ppl_by_seed", ())) or "–"
     line = (f"| {r['optimizer']} | {_config_cell(r)} | {r['lr']:.2e} | "
-            f"{r['val_ppl_mean']:.2f} ± {r['val_ppl_std']:.2f} | {seeds} "
+            + (f"{r.get('steps', '–')} | " if steps else "")
+            + f"{r['val_ppl_mean']:.2f} ± {r['val_ppl_std']:.2f} | {seeds} "
             f"| {r['opt_state_bytes_small'] / 1e6:.2f} MB "
             f"| {r['opt_state_bytes_6p78b'] / 1e9:.3f} GB |")
     if step_time:

@@ -58,6 +58,7 @@ IMPLICIT = {"backbone_dir": "adam", "expert_dir": "adam", "backbone_scale": "ada
             "expert_scale": "adam_rms", "rest": "backbone", "ns_chunk": "auto",
             "ns_dtype": "float32", "m_round": "nearest", "u_clip": "off", "contain": "off",
             "expert_rank": 16, "expert_dtype": "float32", "expert_complement": 1.0,
+            "expert_orth": "full",
             "wd": optimizers.DEFAULT_WEIGHT_DECAY}
 # What the library does now where that is not IMPLICIT's value: a configuration
 # that does not name the key runs this.
