@@ -548,11 +548,24 @@ def markdown(update: dict, train: dict | None) -> str:
                  f"| {'n/a' if compiled is None else f'{compiled:.1f}'} "
                  f"| {r['page_faults_per_update']:,.0f} |")
   if train:
-    t = train["tokens_per_s"]
-    lines += ["", "| train step (small) | tokens/s | step time × AdamW |", "|---|---|---|"]
-    lines += [f"| {name} | {tps:,.0f} | {train['step_time_ratio_to_adamw'][name]:.2f} |"
-              for name, tps in t.items()]
+    lines += ["", train_step_table(train)]
   return "\n".join(lines)
+
+
+def train_step_table(train: dict) -> str:
+  """The train-step rows (:func:`bench_train_step`) as a Markdown table."""
+  lines = ["| train step (small) | tokens/s | step time × AdamW |", "|---|---|---|"]
+  lines += [f"| {name} | {tps:,.0f} | {train['step_time_ratio_to_adamw'][name]:.2f} |"
+            for name, tps in train["tokens_per_s"].items()]
+  return "\n".join(lines)
+
+
+def train_step_markdown(result: dict) -> str:
+  """``--train-step-only``'s result: its machine, load and date, then the table."""
+  load = ", ".join(f"{x:.2f}" for x in result["load_average"])
+  return (f"Machine: {result['machine']} (load average {load}), {result['date']}; "
+          f"{result['rounds']} rounds of {result['steps_per_round']} steps\n\n"
+          + train_step_table(result))
 
 
 def _titled_table(title: str, result: dict, columns: list[str], rows: list[str]) -> str:
@@ -587,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--rounds", type=int, default=3,
                       help="rounds over all optimizers, interleaved (median)")
   parser.add_argument("--skip-train-step", action="store_true")
+  parser.add_argument("--train-step-only", action="store_true",
+                      help="only the train-step rows (TRAIN_STEPS), with the machine and date")
   parser.add_argument("--train-steps", type=int, default=10)
   parser.add_argument("--train-rounds", type=int, default=3)
   parser.add_argument("--json", action="store_true")
@@ -618,6 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "leaves" in saved:  # a --compile-time result
       print(compile_markdown(saved))
       return 0
+    if "steps_per_round" in saved:  # a --train-step-only result
+      print(train_step_markdown(saved))
+      return 0
     if "rows" in saved and saved["rows"] and "grouped_over_alone" in saved["rows"][0]:
       print(grouping_markdown(saved))  # a --grouping-cost result
       return 0
@@ -647,6 +665,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "backend": jax.default_backend(), "machine": machine_text(),
               "date": datetime.date.today().isoformat()}
     print(json.dumps(result, indent=2) if args.json else grouping_markdown(result))
+    return 0
+  if args.train_step_only:
+    result = {**bench_train_step(steps=args.train_steps, rounds=args.train_rounds),
+              "machine": machine_text(), "load_average": os.getloadavg(),
+              "date": datetime.date.today().isoformat()}
+    print(json.dumps(result, indent=2) if args.json else train_step_markdown(result))
     return 0
   sizes = ("repeats", "rounds", "layers", "experts", "d_model", "d_ff", "vocab")
   if min(getattr(args, name) for name in sizes) < 1:
