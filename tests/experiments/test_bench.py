@@ -93,6 +93,18 @@ def test_markdown_lists_every_train_step_with_its_ratio(result):
   assert "| skewadam orthogonal | 500 | 2.00 |" in text and "| adamw | 1,000 | 1.00 |" in text
 
 
+def test_the_train_step_result_renders_with_its_machine_and_load(tmp_path, capsys):
+  saved = {"tokens_per_s": {"adamw": 1000.0, "muon": 800.0},
+           "step_time_ratio_to_adamw": {"adamw": 1.0, "muon": 1.25}, "steps_per_round": 10,
+           "rounds": 3, "machine": "AMD EPYC, 2 cores", "load_average": [1.5, 1.0, 0.5],
+           "date": "2026-12-07"}
+  (tmp_path / "t.json").write_text(json.dumps(saved))
+  assert bench.main(["--render", str(tmp_path / "t.json")]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("Machine: AMD EPYC, 2 cores (load average 1.50, 1.00, 0.50), 2026-12-07")
+  assert "| muon | 800 | 1.25 |" in out
+
+
 @pytest.mark.gpu_compile  # and on the CPU: XLA:GPU's row where the compiler is installed
 def test_compile_times_of_a_per_expert_tree():
   tree = bench.per_expert_tree(layers=2, experts=2, d_model=8, d_ff=16, vocab=16)

@@ -1,6 +1,6 @@
 """The update's working set on the A100 target (deviceless XLA:GPU compiles).
 
-Two schedules the library imposes on large leaves (``transform.LARGE_LEAF_ELEMENTS``),
+Two schedules the library imposes on large leaves (``safety.LARGE_LEAF_ELEMENTS``),
 each checked against the same compile without it: one large leaf stepped at a
 time, and a clipped leaf's update computed twice rather than stored.
 """
@@ -12,6 +12,7 @@ import pytest
 
 import skewadam_jax
 from experiments.planning import hlo, planner
+from skewadam_jax import directions
 from skewadam_jax import transform
 from tests import _xla
 
@@ -34,6 +35,12 @@ def _compiled_update(tx, params):
   return jax.jit(update, donate_argnums=(0, 1)).lower(params, state, params).compile()
 
 
+def _no_large_leaves(monkeypatch):
+  # Read by the update's loop over groups (transform) and by a leaf's step (directions).
+  for module in (transform, directions):
+    monkeypatch.setattr(module, "LARGE_LEAF_ELEMENTS", 1 << 40)
+
+
 def test_large_leaves_are_stepped_one_at_a_time(monkeypatch):
   _xla.require_gpu_compile()
   shape = (8, 1024, 2048)  # 16.8M entries: large
@@ -41,7 +48,7 @@ def test_large_leaves_are_stepped_one_at_a_time(monkeypatch):
   leaf_f32 = 4 * 8 * 1024 * 2048
   tx = skewadam_jax.skewadam_orthogonal(1e-3, param_labels="backbone")  # bf16 momentum
   one_at_a_time = _compiled_update(tx, params).memory_analysis().temp_size_in_bytes
-  monkeypatch.setattr(transform, "LARGE_LEAF_ELEMENTS", 1 << 40)
+  _no_large_leaves(monkeypatch)
   as_xla_pleases = _compiled_update(tx, params).memory_analysis().temp_size_in_bytes
   # Measured: 2.5 and 4.5 leaves' float32 copies.
   assert one_at_a_time < 0.7 * as_xla_pleases, (one_at_a_time / leaf_f32,
@@ -54,7 +61,7 @@ def test_a_large_clipped_update_is_not_stored_between_its_rms_and_its_division(m
   n = 16 * 1024 * 1024
   tx = skewadam_jax.skewadam(1e-3, param_labels="expert", clip_threshold="auto")
   twice = _compiled_update(tx, params)
-  monkeypatch.setattr(transform, "LARGE_LEAF_ELEMENTS", 1 << 40)
+  _no_large_leaves(monkeypatch)
   stored = _compiled_update(tx, params)
   # Measured: temporaries 0.035 against 1.03 float32 copies of the leaf; bytes
   # moved 19.1 against 34.6 a parameter (12.9 without the clip).
