@@ -145,6 +145,10 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
       update = plan.encoding.orthogonalise(new, nesterov, axes, dtype=plan.orthogonal_dtype)
     else:
       update = orthogonal.newton_schulz(nesterov, axes, dtype=plan.orthogonal_dtype)
+    if spread is not None:
+      # Pinned on both sides, the iteration stays where the matrices are whole
+      # (else XLA may reshard its input back to the consumers' layout first).
+      update = spread(update)
     if plan.neuron_b2 is not None:
       update, new["nu_col"] = orthogonal.normalize_per_neuron(
           update, momentum["nu_col"], axes, b2n, c2n)
