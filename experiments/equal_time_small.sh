@@ -83,14 +83,15 @@ def cell(values):
 
 
 print("| contender | step time ÷ AdamW | steps at equal time | val ppl, 1600 steps "
-      "| val ppl, AdamW's 1600-step time |")
-print("|---|---|---|---|---|")
+      "| the same, seed 0 | val ppl, AdamW's 1600-step time, seed 0 | the same, seeds |")
+print("|---|---|---|---|---|---|---|")
 for name, (timed, folder) in steps_runs.items():
   seeds = [folder] + [f"{folder}-seed{s}" for s in (1, 2)]
   steps = max(1, round(1600 / ratios[timed]))
   equal = ([ppl(f) for f in seeds] if name == "adamw" else
            [ppl(out / "runs" / (name if s == 0 else f"{name}-seed{s}")) for s in range(3)])
+  first = lambda values: "–" if values[0] is None else f"{values[0]:.2f}"  # noqa: E731
   print(f"| {name} | {ratios[timed]:.2f} | {steps} | {cell(ppl(f) for f in seeds)} "
-        f"| {cell(equal)} |")
+        f"| {first([ppl(f) for f in seeds])} | {first(equal)} | {cell(equal)} |")
 PY
 cat "$OUT/equal-time.md"

@@ -346,14 +346,22 @@ def test_the_figures_at_a_glance_are_the_results_files():
     assert settings(f"x5-long-runs/{x5_run}") == settings(small_run), x5_run
   table = table_rows(README.split("**Against Muon, at two scales**")[1])
   gb = lambda row: f"{row['opt_state_bytes_6p78b'] / 1e9:.3f} GB"  # noqa: E731
+  # equal time: each contender for AdamW's 1600-step time (equal_time_small.sh), seed 0
+  equal = {name: json.loads((RESULTS / "equal-time" / "runs" / name / "summary.json")
+                            .read_text())["val_ppl"] for name in ("default", "muon")}
   assert table == {
       "SkewAdam's default (rank-84 int8 expert momentum)": [
-          gb(default), f"**{ppl_text(int8)}**", ppl_text(own)],
-      "Muon (`optax.contrib.muon`)": [gb(muon), ppl_text(tuned_muon), ppl_text(x5["muon"])],
+          gb(default), f"**{ppl_text(int8)}**", ppl_text(own), f"{equal['default']:.2f}"],
+      "Muon (`optax.contrib.muon`)": [gb(muon), ppl_text(tuned_muon), ppl_text(x5["muon"]),
+                                      f"{equal['muon']:.2f}"],
       "SkewAdam, rank-42 bfloat16 expert momentum (the default before)": [
-          gb(rank42_row), ppl_text(tuned), ppl_text(x5["rank42-bf16"])],
+          gb(rank42_row), ppl_text(tuned), ppl_text(x5["rank42-bf16"]), "—"],
       "AdamW": [gb(by_name["adamw", "adam"]), ppl_text(tuned_adamw),
-                f"{ppl_text(x5['adamw'])} (seeds 0, 1)"]}
+                f"{ppl_text(x5['adamw'])} (seeds 0, 1)", f"{tuned_adamw[0]:.2f}"]}
+  steps_time = json.loads((RESULTS / "equal-time" / "step-times.json").read_text())
+  ratio = steps_time["step_time_ratio_to_adamw"]
+  assert (f"its step costs {ratio['skewadam orthogonal']:.2f}× AdamW's there (Muon's "
+          f"{ratio['muon']:.2f}×)") in " ".join(README.split())
   readme = " ".join(README.split())
   assert ("On `small` the default is below Muon by more than the larger spread and ahead at "
           "each seed: the goal, within 1.29 GB. At `small-x5` it is level with Muon by the "
