@@ -231,17 +231,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
+  _annotate(rows, budget["steps"], step_seconds)
+  rows = rows if kept is None else comparison.merge_rows(kept, rows)
+  return write(rows, out, step_time=not args.quick)
+
+
+def _annotate(rows: list[dict], steps: int, step_seconds: dict | None) -> None:
+  """Each row's machine and, at an equal-time budget, the budget it trained to."""
   machine = comparison.machine_text()
   for row in rows:
     row["machine"] = machine
     if step_seconds is not None:
       row["budget"] = {"kind": "equal time", "reference": equal_time.REFERENCE,
-                       "reference_steps": budget["steps"],
-                       "step_seconds": step_seconds[row_key(row)],
+                       "reference_steps": steps, "step_seconds": step_seconds[row_key(row)],
                        "reference_step_seconds": step_seconds[entry_key(equal_time.REFERENCE,
                                                                         None)]}
-  rows = rows if kept is None else comparison.merge_rows(kept, rows)
-  return write(rows, out, step_time=not args.quick)
 
 
 def _equal_time_steps(entries, base, steps: int) -> tuple[dict, dict]:
