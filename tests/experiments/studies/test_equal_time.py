@@ -22,12 +22,10 @@ def test_each_contender_gets_the_reference_time_over_its_own_step_time():
     equal_time.equal_time_steps({"adamw": 0.1}, 0)
 
 
-def test_step_times_are_measured_side_by_side_on_tiny(corpus):
+def test_a_step_time_is_measured_on_tiny(corpus):
   base = TrainConfig(preset="tiny", batch_size=2, data=corpus, steps=4)
-  seconds = equal_time.measure_step_seconds(
-      {"adamw": base.__class__(**{**base.as_dict(), "optimizer": "adamw"}),
-       "skewadam": base}, steps=2, rounds=1)
-  assert set(seconds) == {"adamw", "skewadam"} and all(0 < s < 60 for s in seconds.values())
+  seconds = equal_time.measure_step_seconds({"skewadam": base}, steps=2, rounds=1)
+  assert set(seconds) == {"skewadam"} and 0 < seconds["skewadam"] < 60
   with pytest.raises(ValueError, match="steps and rounds must be >= 1"):
     equal_time.measure_step_seconds({"adamw": base}, steps=0)
 
