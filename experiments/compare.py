@@ -250,7 +250,7 @@ def _annotate(rows: list[dict], steps: int, step_seconds: dict | None) -> None:
 
 def _equal_time_steps(entries, base, steps: int) -> tuple[dict, dict]:
   """Each entry's steps at AdamW's wall-clock for ``steps`` steps, and the seconds
-  a step each measured (by :func:`~experiments.sweeps.entry_key`; AdamW's
+  a step each measured (by :func:`~experiments.studies.sweeps.entry_key`; AdamW's
   timed too when it is not an entry)."""
   configs = {}
   for optimizer, config in list(entries) + [(equal_time.REFERENCE, None)]:

@@ -32,8 +32,9 @@ declare -A WARMUP=([muon]=160 [default]=320 [factors]=320)
 steps_for() {
   "$PYTHON" - "$TIMES" "${TIMED[$1]}" <<'PY'
 import json, sys
-ratio = json.load(open(sys.argv[1]))["step_time_ratio_to_adamw"][sys.argv[2]]
-print(max(1, round(1600 / ratio)))
+from experiments.studies.equal_time import equal_time_steps
+ratios = json.load(open(sys.argv[1]))["step_time_ratio_to_adamw"]
+print(equal_time_steps(ratios, 1600)[sys.argv[2]])
 PY
 }
 for row in ${ROWS-}; do
@@ -49,9 +50,11 @@ done
 # tuned 1600-step runs) beside equal time, by seed
 "$PYTHON" - <<'PY' > "$OUT/equal-time.md"
 import json, pathlib, statistics
+from experiments.studies.equal_time import equal_time_steps
 out = pathlib.Path("experiments/results/equal-time")
 times = json.loads((out / "step-times.json").read_text())
 ratios = times["step_time_ratio_to_adamw"]
+steps_at_equal_time = equal_time_steps(ratios, 1600)
 load = ", ".join(f"{x:.2f}" for x in times["load_average"])
 print(f"Step times: {times['machine']}, load average {load}, {times['date']} "
       f"(python -m experiments.bench --train-step-only).\n")
@@ -87,7 +90,7 @@ print("| contender | step time ÷ AdamW | steps at equal time | val ppl, 1600 st
 print("|---|---|---|---|---|---|---|")
 for name, (timed, folder) in steps_runs.items():
   seeds = [folder] + [f"{folder}-seed{s}" for s in (1, 2)]
-  steps = max(1, round(1600 / ratios[timed]))
+  steps = steps_at_equal_time[timed]
   equal = ([ppl(f) for f in seeds] if name == "adamw" else
            [ppl(out / "runs" / (name if s == 0 else f"{name}-seed{s}")) for s in range(3)])
   first = lambda values: "–" if values[0] is None else f"{values[0]:.2f}"  # noqa: E731

@@ -227,7 +227,7 @@ def compare(entries: Sequence[tuple[str, dict | None]], *, base: TrainConfig,
   rate there instead of times the optimizer's default rate. When the sweep
   trains as long as the final runs (``sweep_steps == steps``), the best rate's
   sweep run is the first seed's final run: it is not trained twice. With
-  ``steps_by_entry`` (:func:`~experiments.sweeps.entry_key` → steps; an equal
+  ``steps_by_entry`` (:func:`~experiments.studies.sweeps.entry_key` → steps; an equal
   time budget, :mod:`experiments.studies.equal_time`) an entry's final runs
   train for its own steps, warmup a tenth of them; every row records its
   ``steps``.
