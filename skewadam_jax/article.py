@@ -10,13 +10,15 @@ recommended default). Per leaf, with ``t`` the step (from 1), ``β1 = 0.9``,
 
 * second moment, an EMA of the raw ``g²`` (no bias correction on the state):
 
-  - *factored* (backbone and expert leaves of rank ≥ 2, over the last two
-    axes; leading axes, a stacked bank's experts or layers, are batch axes)::
+  - *factored* (backbone and expert matrices: leaves of rank ≥ 2 over their
+    last two axes, or the axes ``matrix_axes`` declares; every other axis, a
+    stacked bank's experts or layers, is a batch axis)::
 
         V_r ← β2 V_r + (1 − β2) mean_c g²,   V_c ← β2 V_c + (1 − β2) mean_r g²
         D   = sqrt(max(V_r / max(mean_r V_r, 1e-15), φ)) · sqrt(max(V_c, φ))
 
-  - *exact* (the router, and vectors)::
+  - *exact* (the router, and vectors: leaves of rank < 2, or declared
+    ``None`` by ``matrix_axes``, such as a stacked norm scale ``[L, D]``)::
 
         V ← β2 V + (1 − β2) g²,   D = sqrt(max(V, φ))
 
@@ -26,8 +28,10 @@ recommended default). Per leaf, with ``t`` the step (from 1), ``β1 = 0.9``,
   ``u = m · sqrt(1 − β2^t) / (1 − β1^t) / D``; the expert and router tiers
   keep none, ``u = g · sqrt(1 − β2^t) / D``;
 * an RMS clip, ``u ← u / max(rms(u), 1)``, over each whole leaf (vectors
-  too), or over each of its matrices (``clip_scope="matrix"``: what the
-  article's run did, with one 2-D tensor per expert);
+  too), or over each of its matrices and each vector along its last axis
+  (``clip_scope="matrix"``: what the article's run did, with one 2-D tensor
+  per expert and one module per layer; a stacked norm scale ``[L, D]`` is
+  then clipped a layer at a time);
 * decoupled weight decay ``λ = 0.05`` on the backbone and expert leaves,
   none on the router: ``p ← p − lr · (u + λ p)``, which is the reference's
   ``p ← p (1 − lr λ) − lr u``.
@@ -49,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from skewadam_jax import axes as axes_lib
 from skewadam_jax import labels as labels_lib
 
 FLOOR = 1e-8
@@ -64,36 +69,62 @@ ARTICLE_TIERS = {
 class ScaleByArticleState(NamedTuple):
   """State of :func:`scale_by_skewadam_article`.
 
+  Every field but ``count`` is a tree shaped like the parameters, with
+  ``optax.MaskedNode()`` where a leaf keeps no such array, so
+  :func:`skewadam_jax.state_shardings` shards it as it shards the library's.
+
   Attributes:
     count: the step count ``t`` (int32; 0 before the first update).
-    mu: the backbone's float32 momentum per leaf; ``optax.MaskedNode()``
-      for the leaves of tiers without momentum.
-    nu: per leaf, ``(V_r, V_c)`` (shapes ``[..., R, 1]`` and ``[..., 1, C]``)
-      where the second moment is factored, else ``(V,)``, all float32.
+    mu: the backbone's float32 momentum per leaf (none in the other tiers).
+    nu: the exact second moment ``V`` (float32, the leaf's shape), where it
+      is not factored.
+    nu_row, nu_col: ``V_r`` and ``V_c`` (float32; the leaf's shape with its
+      column, resp. row, axes reduced to 1), where it is factored.
   """
   count: jax.Array
   mu: Any
   nu: Any
+  nu_row: Any
+  nu_col: Any
 
 
-def _factored(tier: str, leaf) -> bool:
-  return ARTICLE_TIERS[tier]["factored"] and jnp.ndim(leaf) >= 2
+def _matrix_axes(matrix_axes: axes_lib.AxesSpec, tree) -> list:
+  """Per leaf, its ``(rows, cols)`` axis tuples, or ``None`` for a vector.
+
+  Without a declaration, the reference's rule: a leaf of rank ≥ 2 is a
+  matrix over its last two axes.
+  """
+  if matrix_axes is None:
+    return [((x.ndim - 2,), (x.ndim - 1,)) if x.ndim >= 2 else None
+            for x in map(jnp.asarray, jax.tree.leaves(tree))]
+  return [None if a is None else (a.row_axes, a.col_axes)
+          for a in axes_lib.resolve_matrix_axes(matrix_axes, tree)]
 
 
-def _rms_clip(u: jax.Array, scope: str) -> jax.Array:
-  axes = (tuple(range(u.ndim)) if scope == "tensor" or u.ndim < 2
-          else (u.ndim - 2, u.ndim - 1))
-  rms = jnp.sqrt(jnp.mean(jnp.square(u), axis=axes, keepdims=True))
+def _factored(tier: str, axes) -> bool:
+  return ARTICLE_TIERS[tier]["factored"] and axes is not None
+
+
+def _rms_clip(u: jax.Array, scope: str, axes) -> jax.Array:
+  if scope == "tensor" or u.ndim == 0:
+    over = None
+  elif axes is None:
+    over = (u.ndim - 1,)  # a vector, stacked or not: one clip per slice
+  else:
+    over = axes[0] + axes[1]
+  rms = jnp.sqrt(jnp.mean(jnp.square(u), axis=over, keepdims=True))
   return u / jnp.maximum(rms, 1.0)
 
 
-def _denominator(nu, g2, factored: bool, b2: float, floor: float):
-  """The new second-moment state and ``D`` (module docstring)."""
-  if factored:
+def _denominator(nu, g2, axes, b2: float, floor: float):
+  """The new second-moment state and ``D`` (module docstring); ``axes`` are
+  the matrix's ``(rows, cols)`` when the second moment is factored."""
+  if axes is not None:
+    rows, cols = axes
     v_row, v_col = nu
-    v_row = b2 * v_row + (1 - b2) * jnp.mean(g2, axis=-1, keepdims=True)
-    v_col = b2 * v_col + (1 - b2) * jnp.mean(g2, axis=-2, keepdims=True)
-    v_mean = jnp.maximum(jnp.mean(v_row, axis=-2, keepdims=True), 1e-15)
+    v_row = b2 * v_row + (1 - b2) * jnp.mean(g2, axis=cols, keepdims=True)
+    v_col = b2 * v_col + (1 - b2) * jnp.mean(g2, axis=rows, keepdims=True)
+    v_mean = jnp.maximum(jnp.mean(v_row, axis=rows, keepdims=True), 1e-15)
     d = (jnp.sqrt(jnp.maximum(v_row / v_mean, floor))
          * jnp.sqrt(jnp.maximum(v_col, floor)))
     return (v_row, v_col), d
@@ -102,10 +133,15 @@ def _denominator(nu, g2, factored: bool, b2: float, floor: float):
   return (v,), jnp.sqrt(jnp.maximum(v, floor))
 
 
+def _reduced(shape, axes) -> tuple[int, ...]:
+  return tuple(1 if i in axes else n for i, n in enumerate(shape))
+
+
 def scale_by_skewadam_article(
     b1: float = 0.9, b2: float = 0.999, floor: float = FLOOR, *,
     clip_threshold: float = 1.0, clip_scope: str = "tensor",
-    param_labels: labels_lib.LabelSpec = None) -> optax.GradientTransformation:
+    param_labels: labels_lib.LabelSpec = None,
+    matrix_axes: axes_lib.AxesSpec = None) -> optax.GradientTransformation:
   """The article's SkewAdam direction, as its code computes it (module docstring).
 
   Args:
@@ -114,9 +150,15 @@ def scale_by_skewadam_article(
     floor: ``φ``, the floor on the second-moment EMA inside the square root.
     clip_threshold: the RMS clip's threshold (``u / max(rms(u) / c, 1)``).
     clip_scope: ``"tensor"``: each leaf's RMS, as the reference code; or
-      ``"matrix"``: each trailing 2-D matrix's (vectors whole), as the
-      article's run with one tensor per expert.
+      ``"matrix"``: each matrix's, and each vector's along its last axis, as
+      the article's run with one tensor per expert and per layer.
     param_labels: tier labels, as in :func:`skewadam_jax.scale_by_skewadam`.
+    matrix_axes: the axes of each leaf's matrix, as in
+      :func:`skewadam_jax.scale_by_skewadam` (:mod:`skewadam_jax.axes`);
+      ``None``: the reference's rule, the last two axes of every leaf of
+      rank ≥ 2. A scanned model declares its stacked vectors (``None``)
+      so that they keep an exact second moment, as the reference's
+      per-layer vectors do.
 
   Returns:
     An ``optax.GradientTransformation`` whose updates are ``u`` (descent
@@ -141,46 +183,51 @@ def scale_by_skewadam_article(
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
     tiers = labels_lib.resolve_labels(param_labels, params, warn=True)
-    mu, nu = [], []
-    for leaf, tier in zip(leaves, tiers):
-      shape = jnp.shape(leaf)
-      mu.append(jnp.zeros(shape, jnp.float32) if ARTICLE_TIERS[tier]["momentum"]
-                else optax.MaskedNode())
-      if _factored(tier, leaf):
-        nu.append((jnp.zeros(shape[:-1] + (1,), jnp.float32),
-                   jnp.zeros(shape[:-2] + (1,) + shape[-1:], jnp.float32)))
-      else:
-        nu.append((jnp.zeros(shape, jnp.float32),))
+    fields = {name: [] for name in ("mu", "nu", "nu_row", "nu_col")}
+    for leaf, tier, axes in zip(leaves, tiers, _matrix_axes(matrix_axes, params)):
+      shape, factored = jnp.shape(leaf), _factored(tier, axes)
+      masked = optax.MaskedNode()
+      fields["mu"].append(jnp.zeros(shape, jnp.float32) if ARTICLE_TIERS[tier]["momentum"]
+                          else masked)
+      fields["nu"].append(masked if factored else jnp.zeros(shape, jnp.float32))
+      fields["nu_row"].append(jnp.zeros(_reduced(shape, axes[1]), jnp.float32) if factored
+                              else masked)
+      fields["nu_col"].append(jnp.zeros(_reduced(shape, axes[0]), jnp.float32) if factored
+                              else masked)
     return ScaleByArticleState(count=jnp.zeros((), jnp.int32),
-                               mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
+                               **{k: treedef.unflatten(v) for k, v in fields.items()})
 
   def update_fn(updates, state, params=None):
     del params
     grads, treedef = jax.tree.flatten(updates)
     tiers = labels_lib.resolve_labels(param_labels, updates)
-    mus = treedef.flatten_up_to(state.mu)
-    nus = treedef.flatten_up_to(state.nu)
+    fields = ("mu", "nu", "nu_row", "nu_col")
+    old = [treedef.flatten_up_to(getattr(state, name)) for name in fields]
     count = optax.safe_increment(state.count)
     # 1 - b^t as -expm1(t log b): float32 keeps its relative precision where
     # 1 - b^t would lose it (1 - 0.999 is 1.3e-5 off in float32); log 0 = -inf
     # gives 1 - 0^t = 1.
     t = count.astype(jnp.float32)
     bc1, bc2 = (-jnp.expm1(t * jnp.log(jnp.asarray(b, jnp.float32))) for b in (b1, b2))
-    out, new_mu, new_nu = [], [], []
-    for g, tier, mu, nu in zip(grads, tiers, mus, nus):
+    out, new = [], {name: [] for name in fields}
+    matrices = _matrix_axes(matrix_axes, updates)
+    for g, tier, axes, mu, nu, nu_row, nu_col in zip(grads, tiers, matrices, *old):
       g32 = g.astype(jnp.float32)
-      nu, d = _denominator(nu, jnp.square(g32), _factored(tier, g), b2, floor)
+      if _factored(tier, axes):
+        (nu_row, nu_col), d = _denominator((nu_row, nu_col), jnp.square(g32), axes, b2, floor)
+      else:
+        (nu,), d = _denominator((nu,), jnp.square(g32), None, b2, floor)
       if ARTICLE_TIERS[tier]["momentum"]:
         mu = b1 * mu + (1 - b1) * g32
         u = mu * (jnp.sqrt(bc2) / bc1) / d
       else:
         u = g32 * jnp.sqrt(bc2) / d
-      u = _rms_clip(u / clip_threshold, clip_scope) * clip_threshold
+      u = _rms_clip(u / clip_threshold, clip_scope, axes) * clip_threshold
       out.append(u.astype(g.dtype))
-      new_mu.append(mu)
-      new_nu.append(nu)
+      for name, value in zip(fields, (mu, nu, nu_row, nu_col)):
+        new[name].append(value)
     return treedef.unflatten(out), ScaleByArticleState(
-        count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
+        count=count, **{k: treedef.unflatten(v) for k, v in new.items()})
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -195,8 +242,8 @@ def article_decay_mask(params, param_labels: labels_lib.LabelSpec = None):
 def skewadam_article(
     learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 0.05, b1: float = 0.9,
     b2: float = 0.999, floor: float = FLOOR, clip_threshold: float = 1.0,
-    clip_scope: str = "tensor",
-    param_labels: labels_lib.LabelSpec = None) -> optax.GradientTransformation:
+    clip_scope: str = "tensor", param_labels: labels_lib.LabelSpec = None,
+    matrix_axes: axes_lib.AxesSpec = None) -> optax.GradientTransformation:
   """The SkewAdam article's optimizer, as its public code computes it.
 
   ``scale_by_skewadam_article``, then decoupled weight decay on the backbone
@@ -213,8 +260,8 @@ def skewadam_article(
   Args:
     learning_rate: a float or an optax schedule.
     weight_decay: ``λ``, on the backbone and expert tiers.
-    b1, b2, floor, clip_threshold, clip_scope, param_labels: as in
-      :func:`scale_by_skewadam_article`.
+    b1, b2, floor, clip_threshold, clip_scope, param_labels, matrix_axes: as
+      in :func:`scale_by_skewadam_article`.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -231,7 +278,8 @@ def skewadam_article(
   """
   return optax.chain(
       scale_by_skewadam_article(b1, b2, floor, clip_threshold=clip_threshold,
-                                clip_scope=clip_scope, param_labels=param_labels),
+                                clip_scope=clip_scope, param_labels=param_labels,
+                                matrix_axes=matrix_axes),
       optax.add_decayed_weights(weight_decay,
                                 mask=lambda p: article_decay_mask(p, param_labels)),
       optax.scale_by_learning_rate(learning_rate))

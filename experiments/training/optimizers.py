@@ -27,6 +27,7 @@ Every baseline keeps its state in fp32 whatever the parameter dtype
 | muon | ``optax.contrib.muon`` on the orthogonalised matrices, ``optax.adamw`` (Nesterov, as Muon's own AdamW part) on the rest, through ``optax.partition`` | same on both parts |
 | lion | ``optax.lion`` | same (Lion's usual lr is ~10× smaller) |
 | adafactor | ``optax.adafactor`` without momentum, its relative step replaced by our schedule | same, as ``weight_decay_rate`` |
+| skewadam_article | ``skewadam_jax.skewadam_article``: the article's code, with its own ``b2 = 0.999``, its clip a matrix (its run's tensors were one a layer and an expert) and our tiers and matrix axes | its own: 0.05 on every backbone and expert leaf (vectors too), none on the router |
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ from optax.contrib import MuonDimensionNumbers, muon
 import skewadam_jax
 from models import axes as model_axes
 
-OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor")
+OPTIMIZERS = ("adamw", "skewadam", "muon", "lion", "adafactor", "skewadam_article")
 
 # Starting learning rates: the centre of the comparison's sweep grid
 # (experiments.compare sweeps around them); SkewAdam's by its expert tier's
 # direction (default_lr).
 DEFAULT_LR = {"adamw": 3e-3, "skewadam": 3e-3, "muon": 1e-2, "lion": 3e-4,
-              "adafactor": 3e-3}
+              "adafactor": 3e-3,
+              # The article's own rate (its train.py), where its sweep starts.
+              "skewadam_article": 3e-4}
 # The library's update direction (skewadam_jax.skewadam) and the training
 # command's default for both tiers' matrices: the orthogonal tiers
 # (skewadam_jax.skewadam_orthogonal), which the comparison's rule chose
@@ -81,7 +84,11 @@ def default_weight_decay(optimizer: str, skewadam_tiers: dict | None = None) -> 
   Example:
     >>> default_weight_decay("adamw"), default_weight_decay("skewadam", {})
     (0.1, 0.1)
+    >>> default_weight_decay("skewadam_article")  # the article's own
+    0.05
   """
+  if optimizer == "skewadam_article":
+    return inspect.signature(skewadam_jax.skewadam_article).parameters["weight_decay"].default
   if (optimizer == "skewadam"
       and _direction((skewadam_tiers or {}).get("expert", {})) != LIBRARY_DIRECTION):
     # The alias's own default, so the two cannot drift apart.
@@ -316,7 +323,8 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes,
     clip_norm: global gradient-norm clip (``0`` disables it).
     skewadam_tiers: ``{"backbone": ..., "expert": ..., "router": ...}``
       ``TierConfig``s (or dicts) for SkewAdam; defaults otherwise.
-    b1, b2: Adam-family moment decays (AdamW, SkewAdam, Muon's AdamW part).
+    b1, b2: Adam-family moment decays (AdamW, SkewAdam, Muon's AdamW part;
+      the article's optimizer takes ``b1`` and keeps its own ``b2``, 0.999).
     muon_momentum: Muon's own momentum on the matrices it orthogonalises
       (``optax.contrib.muon``'s ``beta``, whose default it is).
 
@@ -350,6 +358,13 @@ def make_optimizer(name: str, *, learning_rate: Any, axes: Axes,
         "adam": optax.adamw(learning_rate, b1=b1, b2=b2, eps=1e-8,
                             weight_decay=weight_decay, mask=mask, nesterov=True),
     }, label)
+  elif name == "skewadam_article":
+    # The reference's decay mask (every backbone and expert leaf), not ours.
+    routing = skewadam_axes(axes)
+    tx = skewadam_jax.skewadam_article(learning_rate, weight_decay=weight_decay, b1=b1,
+                                       clip_scope="matrix",
+                                       param_labels=routing["param_labels"],
+                                       matrix_axes=routing["matrix_axes"])
   elif name == "lion":
     tx = optax.lion(learning_rate, weight_decay=weight_decay, mask=mask)
   elif name == "adafactor":

@@ -129,6 +129,55 @@ def test_a_matrix_clip_of_a_stacked_bank_equals_one_leaf_per_expert():
   np.testing.assert_allclose(stacked, np.stack([split["e0"], split["e1"]]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-5], ids=["unit", "floor-binds"])
+def test_declared_matrix_axes_step_a_scanned_tree_as_per_layer_tensors(scale):
+  """A scanned model's leaves, with matrix_axes declared and clip_scope="matrix",
+  step as the reference's per-layer tensors: a stacked norm scale [L, D]
+  keeps an exact v and one clip a layer; a kernel [D, L, F] with its layer
+  axis in the middle is factored over (D, F) a layer at a time."""
+  layers, rng = 3, np.random.default_rng(5)
+  params = {"dense": {"scale": rng.standard_normal((layers, 5)),
+                      "kernel": rng.standard_normal((6, layers, 4))},
+            "experts": {"w": rng.standard_normal((layers, 2, 4, 3))}}
+  declared = {"dense": {"scale": None, "kernel": skewadam_jax.MatrixAxes(0, 2)},
+              "experts": {"w": skewadam_jax.MatrixAxes(2, 3)}}
+  tx = skewadam_jax.skewadam_article(LR, clip_scope="matrix", matrix_axes=declared)
+  jax_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  state, step = tx.init(jax_params), jax.jit(tx.update)
+  # The reference's tensors: one per layer (and per expert), as separate modules.
+  slices = {"scale": lambda x, l: x[l], "kernel": lambda x, l: x[:, l, :],
+            "w": lambda x, l: x[l]}
+  ref = {(name, l): np.array(slices[name](params[tier][name], l))
+         for tier, name in (("dense", "scale"), ("dense", "kernel"), ("experts", "w"))
+         for l in range(layers)}
+  tier_of = {"scale": "dense", "kernel": "dense", "w": "experts"}
+  ref_state = {}
+  for (name, l), x in ref.items():
+    ref_state[name, l] = (reference_init(x, tier_of[name]) if name != "w"
+                          else [reference_init(e, "experts") for e in x])
+  for t in range(1, 13):
+    grads = jax.tree.map(lambda x: scale * rng.standard_normal(x.shape), params)
+    updates, state = step(jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads),
+                          state, jax_params)
+    jax_params = optax.apply_updates(jax_params, updates)
+    for (name, l), x in ref.items():
+      g = slices[name](grads[tier_of[name]][name], l)
+      if name == "w":  # each expert its own 2-D tensor
+        stepped = [reference_step(e, ge, s, "experts", t)
+                   for e, ge, s in zip(x, g, ref_state[name, l])]
+        ref[name, l] = np.stack([p for p, _ in stepped])
+        ref_state[name, l] = [s for _, s in stepped]
+      else:
+        ref[name, l], ref_state[name, l] = reference_step(x, g, ref_state[name, l],
+                                                          tier_of[name], t)
+  for name, tier in tier_of.items():
+    want = np.stack([ref[name, l] for l in range(layers)], axis=1 if name == "kernel" else 0)
+    np.testing.assert_allclose(jax_params[tier][name], want, rtol=2e-5, atol=2e-6,
+                               err_msg=name)
+  assert state[0].nu["dense"]["scale"].shape == (layers, 5)  # exact v
+  assert isinstance(state[0].nu_row["dense"]["scale"], optax.MaskedNode)
+  assert state[0].nu_row["dense"]["kernel"].shape == (6, layers, 1)
+
 def test_the_floor_makes_the_step_depend_on_the_gradient_scale():
   """Adam's step is scale-free; the reference's grows with the gradient where the floor binds."""
   params = {"router": {"kernel": jnp.ones((3, 2))}}
@@ -144,9 +193,12 @@ def test_state_per_tier():
   assert state.mu["dense"]["kernel"].shape == (6, 5)
   assert isinstance(state.mu["experts"]["e0"], optax.MaskedNode)
   assert isinstance(state.mu["router"]["kernel"], optax.MaskedNode)
-  assert [x.shape for x in state.nu["experts"]["e0"]] == [(4, 1), (1, 3)]
-  assert [x.shape for x in state.nu["dense"]["scale"]] == [(5,)]
-  assert [x.shape for x in state.nu["router"]["kernel"]] == [(5, 2)]
+  assert (state.nu_row["experts"]["e0"].shape, state.nu_col["experts"]["e0"].shape) == (
+      (4, 1), (1, 3))
+  assert isinstance(state.nu["experts"]["e0"], optax.MaskedNode)
+  assert state.nu["dense"]["scale"].shape == (5,)
+  assert state.nu["router"]["kernel"].shape == (5, 2)
+  assert isinstance(state.nu_row["router"]["kernel"], optax.MaskedNode)
 
 
 def test_the_decay_mask_spares_only_the_router():
