@@ -209,6 +209,12 @@
 #   muon-scale-rank-84-int8-warmup-160-seed1, muon-scale-rank-84-int8-warmup-160-seed2
 #   (56.61 and 56.19: over seeds 0 to 2 56.75 +- 0.65, ahead of Muon's tuned 57.45 +- 0.26
 #   at each seed, 1.07x the larger spread: within noise by the rule)
+#   then (2026-12-08), as the rows orthogonalised through the rank-r factors
+#   (-factors: 57.47 at rank 84 and 61.67 at rank 11 against 56.53 and 58.98 whole) take a
+#   rank-r update, whose norm is sqrt(r / 128) of the whole matrix's at small's 128 x 256
+#   experts (0.81 at rank 84, 0.29 at rank 11: a smaller step at the same rate), the same
+#   rows with the update scaled back to the whole matrix's norm (factors_rms), seed 0:
+#   muon-scale-rank-11-int8-warmup-320-factors_rms, muon-scale-rank-84-int8-warmup-320-factors_rms
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -278,6 +284,8 @@ declare -A FLAGS=(
   [muon-scale-rank-84-int8-warmup-320-factors]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-orthogonalise factors"
   [muon-scale-rank-11-int8-warmup-320]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11"
   [muon-scale-rank-11-int8-warmup-320-factors]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11 --expert-lowrank-orthogonalise factors"
+  [muon-scale-rank-84-int8-warmup-320-factors_rms]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-orthogonalise factors_rms"
+  [muon-scale-rank-11-int8-warmup-320-factors_rms]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11 --expert-lowrank-orthogonalise factors_rms"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do

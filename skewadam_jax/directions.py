@@ -41,6 +41,7 @@ from skewadam_jax.safety import LARGE_LEAF_ELEMENTS
 from skewadam_jax.safety import _clip_rms
 from skewadam_jax.safety import _leaf_clip_threshold
 from skewadam_jax.safety import finite_entries
+from skewadam_jax.tiers import THROUGH_FACTORS
 from skewadam_jax.tiers import LeafPlan
 
 
@@ -141,8 +142,11 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
       new = plan.encoding.encode(m, axes, salt=count, previous=momentum)
     if spread is not None:
       nesterov = spread(nesterov)
-    if plan.lowrank_orthogonalise == "factors":
+    if plan.lowrank_orthogonalise in THROUGH_FACTORS:
       update = plan.encoding.orthogonalise(new, nesterov, axes, dtype=plan.orthogonal_dtype)
+      if plan.lowrank_orthogonalise == "factors_rms":
+        rows, cols = orthogonal.matrix_sides(nesterov.shape, axes)
+        update = update * math.sqrt(min(rows, cols) / min(plan.encoding.rank, rows, cols))
     else:
       update = orthogonal.newton_schulz(nesterov, axes, dtype=plan.orthogonal_dtype)
     if spread is not None:

@@ -35,7 +35,9 @@ SECOND_MOMENT_FORMS = ("exact", "factored")
 DIRECTIONS = ("adam", "orthogonal", "normalized_orthogonal")
 # What an orthogonal direction with low-rank momentum runs Newton–Schulz on
 # (TierConfig.lowrank_orthogonalise).
-LOWRANK_ORTHOGONALISE = ("full", "factors")
+LOWRANK_ORTHOGONALISE = ("full", "factors", "factors_rms")
+# The forms that orthogonalise through the stored factors.
+THROUGH_FACTORS = ("factors", "factors_rms")
 ORTHOGONAL_DIRECTIONS = ("orthogonal", "normalized_orthogonal")
 NU_FIELDS = ("nu", "nu_row", "nu_col")
 FIELDS = ("mu",) + NU_FIELDS + encodings.MOMENTUM_FIELDS[1:]
@@ -134,9 +136,13 @@ class TierConfig:
       :func:`~skewadam_jax.orthogonal.newton_schulz_in_subspace`; a rank-``r``
       update whose singular values are the full one's, at ``O((R + C)·r²)``
       an iteration instead of ``O(R·C·min(R, C))``: 68x fewer FLOPs for a
-      ``1400 × 1024`` expert matrix at rank 84). With ``"factors"`` there is
-      no complement to weigh, so ``lowrank_complement`` must stay 1. Changes
-      no state.
+      ``1400 × 1024`` expert matrix at rank 84), or ``"factors_rms"``: the
+      same, times ``√(min(R, C)/r)``, so that the rank-``r`` update has the
+      Frobenius norm (and RMS) of the whole matrix's, whose ``min(R, C)``
+      singular values are all about 1; a rank-``r`` update is otherwise
+      ``√(r/min(R, C))`` of it, a smaller step at the same rate. Through the
+      factors there is no complement to weigh, so ``lowrank_complement``
+      must stay 1. Changes no state.
     momentum_rounding: how a ``"bf16"`` momentum is rounded when stored:
       ``"stochastic"`` (the default; unbiased, so the stored EMA follows the
       fp32 one at any ``b1``: within 0.1 % on average after 1000 steps of a
@@ -226,15 +232,17 @@ class TierConfig:
     if self.lowrank_orthogonalise not in LOWRANK_ORTHOGONALISE:
       raise ValueError(f"Unknown lowrank_orthogonalise {self.lowrank_orthogonalise!r}; "
                        f"expected one of {LOWRANK_ORTHOGONALISE}.")
-    if self.lowrank_orthogonalise == "factors" and self.momentum != "lowrank":
-      raise ValueError(f"lowrank_orthogonalise='factors' orthogonalises through the low-rank "
+    if self.lowrank_orthogonalise in THROUGH_FACTORS and self.momentum != "lowrank":
+      raise ValueError(f"lowrank_orthogonalise={self.lowrank_orthogonalise!r} "
+                       f"orthogonalises through the low-rank "
                        f"momentum's factors; momentum={self.momentum!r} has none (use "
                        "momentum='lowrank').")
-    if self.lowrank_orthogonalise == "factors" and self.lowrank_complement != 1.0:
+    if self.lowrank_orthogonalise in THROUGH_FACTORS and self.lowrank_complement != 1.0:
       raise ValueError(
           f"lowrank_complement={self.lowrank_complement} weighs the part of a full "
           "orthogonalised update outside the momentum's subspace; "
-          "lowrank_orthogonalise='factors' orthogonalises inside the subspace only, so "
+          f"lowrank_orthogonalise={self.lowrank_orthogonalise!r} orthogonalises inside the "
+          "subspace only, so "
           "there is no such part: leave lowrank_complement at 1.")
     if self.second_moment not in SECOND_MOMENT_FORMS:
       raise ValueError(

@@ -51,7 +51,7 @@ def _iteration(plan, rows: int, cols: int):
   ``rows × r``).
   """
   dtype = plan.orthogonal_dtype
-  if plan.lowrank_orthogonalise == "factors":
+  if plan.lowrank_orthogonalise in skewadam_jax.tiers.THROUGH_FACTORS:
     rank = min(plan.encoding.rank, rows, cols)
     return (lambda p, x: orthogonal.newton_schulz_in_subspace(p, x, dtype=dtype),
             [(rows, rank), (rows, cols)])

@@ -940,7 +940,8 @@ def markdown_orthogonal_table(reports: Sequence[dict]) -> str:
     size, rows, cols = ortho["chunk"]
     expert = (r.get("skewadam_tiers") or {}).get("expert") or {}
     experts = (f"through rank-{expert.get('lowrank_rank', 16)} factors"
-               if expert.get("lowrank_orthogonalise") == "factors" else "whole")
+               if expert.get("lowrank_orthogonalise") in skewadam_jax.tiers.THROUGH_FACTORS
+               else "whole")
     lines.append(
         f"| {r['preset']} | {step} | {where} | {experts} | {size} × {rows}×{cols} "
         f"| {ortho['working_set_bytes'] / GB:.3f} GB | {ortho['matmul_flops']:.3g} "
@@ -978,7 +979,7 @@ def markdown_devices_table(reports: Sequence[dict]) -> str:
     if r.get("moe_impl") == "expert_parallel":
       step += ", expert-parallel MoE"
     if ((r.get("skewadam_tiers") or {}).get("expert") or {}).get(
-        "lowrank_orthogonalise") == "factors":
+        "lowrank_orthogonalise") in skewadam_jax.tiers.THROUGH_FACTORS:
       step += ", experts orthogonalised through their factors"
     devices = r.get("devices", 1)
     mesh = r.get("mesh") or {"data": 1, "expert": 1}

@@ -412,7 +412,12 @@ def test_lowrank_factors_orthogonalise_the_momentum_subspace_of_the_nesterov_mix
       steps.append((np.asarray(g["experts"]), before, np.asarray(u["experts"]), state))
     return steps
 
-  full, factors = run("full"), run("factors")
+  full, factors, rms = run("full"), run("factors"), run("factors_rms")
+  # factors_rms: the same rank-4 update at the whole matrix's norm (16 singular
+  # values of about 1 against 4): sqrt(16 / 4) times the factors' update.
+  np.testing.assert_allclose(rms[-1][2], 2.0 * factors[-1][2], rtol=1e-5, atol=1e-7)
+  norm = lambda u: np.linalg.norm(u.reshape(6, -1), axis=-1)  # noqa: E731
+  np.testing.assert_allclose(norm(rms[-1][2]), norm(full[-1][2]), rtol=0.2)
   # The momentum is stored alike: only the update's input differs.
   for (_, _, _, a), (_, _, _, b) in zip(full, factors):
     np.testing.assert_allclose(a.mu_row["experts"] @ a.mu_col["experts"],
@@ -442,7 +447,8 @@ def test_lowrank_factors_orthogonalise_the_momentum_subspace_of_the_nesterov_mix
 def test_lowrank_orthogonalise_refuses_what_it_cannot_read():
   with pytest.raises(ValueError, match="Unknown lowrank_orthogonalise 'half'"):
     sa.TierConfig("lowrank", "factored", lowrank_orthogonalise="half")
-  with pytest.raises(ValueError, match="momentum='sign' has none"):
-    sa.TierConfig("sign", "factored", lowrank_orthogonalise="factors")
+  for form in ("factors", "factors_rms"):
+    with pytest.raises(ValueError, match=f"'{form}' orthogonalises.*momentum='sign' has none"):
+      sa.TierConfig("sign", "factored", lowrank_orthogonalise=form)
   with pytest.raises(ValueError, match="leave lowrank_complement at 1"):
     sa.TierConfig("lowrank", "factored", lowrank_orthogonalise="factors", lowrank_complement=0.5)
