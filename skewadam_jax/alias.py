@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import re
 import types
-import warnings
 from typing import Any, Optional, Sequence, Union
 
 import jax
 import optax
 
+from skewadam_jax import _warnings
 from skewadam_jax import labels as labels_lib
 from skewadam_jax import transform
 
@@ -150,21 +150,21 @@ class EmbeddingMask:
     roles = self._roles(paths, leaves)
     if leaves:
       if not any(roles):
-        warnings.warn(
+        _warnings.warn(
             "skewadam_orthogonal: no parameter path matched the embedding patterns "
             f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): every declared "
             "matrix, an embedding or unembedding included, gets Muon's direction. If the "
-            "model has them, pass embeddings=<your patterns> or orthogonal_mask.", stacklevel=2)
+            "model has them, pass embeddings=<your patterns> or orthogonal_mask.")
       elif self.expect_output and not any(role and role.startswith("unembedding")
                                           for role in roles):
         inputs = [p for p, role in zip(paths, roles) if role == "embedding"]
         if inputs:
-          warnings.warn(
+          _warnings.warn(
               f"skewadam_orthogonal: found the embedding {inputs[0]!r} but no unembedding "
               "(no path named like one, no other 2-D matrix with the vocabulary size as a "
               "side): the output layer, if the model has its own, gets Muon's direction. "
               "Name it in embeddings=<your patterns>, or pass embeddings= to say that the "
-              "output is tied to the embedding.", stacklevel=2)
+              "output is tied to the embedding.")
     return jax.tree.unflatten(treedef, [role is None for role in roles])
 
 

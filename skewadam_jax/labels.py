@@ -42,13 +42,14 @@ for an ``nnx.State``), as long as its paths name the parameters.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import jax
 import numpy as np
 import optax
+
+from skewadam_jax import _warnings
 
 BACKBONE = "backbone"
 EXPERT = "expert"
@@ -370,7 +371,7 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
          if patterns is None else f"labeller {name!r}")
   shown = ("" if patterns is None else
            f" (patterns {_as_tuple(patterns['expert']) + _as_tuple(patterns['router'])})")
-  warnings.warn(
+  _warnings.warn(
       f"SkewAdam's {who} found no {' and no '.join(unmatched)} leaf among "
       f"{len(labels)} parameters{shown}; "
       f"every such leaf is in the backbone tier. Paths that may be meant: "
@@ -379,7 +380,7 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
       + _better_sets(paths, name)
       + f"Pass param_labels (a label_fn of {sorted(PATTERNS)}, a tree, or your own "
       "patterns) if the tree names its experts or router differently; "
-      "skewadam_jax.plan_table(params) shows every leaf's tier.", stacklevel=5)
+      "skewadam_jax.plan_table(params) shows every leaf's tier.")
 
 
 def _better_sets(paths: list[str], tried: str) -> str:

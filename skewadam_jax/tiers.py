@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import warnings
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
+from skewadam_jax import _warnings
 from skewadam_jax import axes as axes_lib
 from skewadam_jax import encodings
 from skewadam_jax import labels as labels_lib
@@ -398,12 +398,12 @@ def _warn_bf16_momentum(name: str, config: TierConfig, b1) -> None:
     return  # injected: not known here
   eps = float(jnp.finfo(jnp.bfloat16).eps)
   if 1.0 - b1 < 10 * eps:
-    warnings.warn(
+    _warnings.warn(
         f"{name} tier: bf16 momentum at b1={b1} can stall up to "
         f"{eps / (2 * (1 - b1)):.0%} away from the EMA it stores (rounding to nearest "
         f"drops increments below half a bf16 step; needs b1 <= {1 - 10 * eps:.3f} for 5 %). "
         "Use momentum_rounding='stochastic' (the default) or momentum='fp32' for this tier.",
-        stacklevel=4)
+        )
 
 
 def _is_complex(leaf) -> bool:
@@ -488,10 +488,10 @@ def _check_inexact(params) -> None:
 def _warn_guessed_axes(tree, tiers: list[str]) -> None:
   stacked = axes_lib.guessed_stacked_paths(tree, tiers)
   if stacked:
-    warnings.warn(
+    _warnings.warn(
         f"SkewAdam guessed the matrix axes of {len(stacked)} stacked leaves as their last "
         f"two, e.g. {stacked[:3]}: a layer or head axis among them would be factored, "
         "decayed and orthogonalised across. Declare matrix_axes (MatrixAxes(rows, cols, "
         "layer=...), scanned_matrix_axes(...)) or label with a label_fn set that declares "
         f"its axes ({', '.join(axes_lib.NAMED_SETS)}); skewadam_jax.plan_table(params) "
-        "shows every leaf's axes.", stacklevel=5)
+        "shows every leaf's axes.")
