@@ -47,6 +47,7 @@ the tests compare) or :func:`skewadam_jax.apply_updates_stochastic`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -283,3 +284,55 @@ def skewadam_article(
       optax.add_decayed_weights(weight_decay,
                                 mask=lambda p: article_decay_mask(p, param_labels)),
       optax.scale_by_learning_rate(learning_rate))
+
+
+def article_states(opt_state) -> list[ScaleByArticleState]:
+  """Every :class:`ScaleByArticleState` in ``opt_state`` (chains and wrappers included)."""
+  is_state = lambda x: isinstance(x, ScaleByArticleState)  # noqa: E731
+  return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+
+
+def floor_share(opt_state, floor: float = FLOOR) -> jax.Array:
+  """The share of parameter entries whose denominator the floor sets, in every
+  :class:`ScaleByArticleState` found in ``opt_state`` (chains and wrappers
+  included).
+
+  An exact entry binds where ``V < φ``; a factored one where its row's
+  normalised statistic or its column's is below ``φ`` (either floor changes
+  ``D``), counted per matrix without forming it. 0 where the state holds none.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> tx = skewadam_article(1e-3)
+    >>> params = {"router": jnp.ones((2, 2))}
+    >>> grads = {"router": jnp.array([[1.0, 1.0], [1e-6, 1e-6]])}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> float(floor_share(state))  # the second row's V = 1e-3 · 1e-12
+    0.5
+  """
+  states = article_states(opt_state)
+  bound, total = jnp.zeros((), jnp.float32), 0
+  masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+  for state in states:
+    for v in jax.tree.leaves(state.nu, is_leaf=masked):
+      if not masked(v):
+        bound, total = bound + jnp.sum(v < floor), total + v.size
+    rows = jax.tree.leaves(state.nu_row, is_leaf=masked)
+    cols = jax.tree.leaves(state.nu_col, is_leaf=masked)
+    for v_row, v_col in zip(rows, cols):
+      if masked(v_row):
+        continue
+      # The reduced axes: length 1 in one statistic and not in the other.
+      row_axes = tuple(a for a in range(v_row.ndim) if v_col.shape[a] == 1 != v_row.shape[a])
+      mean = jnp.maximum(jnp.mean(v_row, axis=row_axes, keepdims=True), 1e-15)
+      row_bound = (v_row / mean < floor).astype(jnp.float32)
+      col_bound = (v_col < floor).astype(jnp.float32)
+      n_rows = math.prod(v_row.shape[a] for a in row_axes)
+      n_cols = v_col.size * n_rows // v_row.size
+      # Entries with a bound row or column, per matrix: |R_b|·C + R·|C_b| − |R_b|·|C_b|.
+      col_axes = tuple(a for a in range(v_col.ndim) if v_row.shape[a] == 1 != v_col.shape[a])
+      r_b = jnp.sum(row_bound, axis=row_axes, keepdims=True)
+      c_b = jnp.sum(col_bound, axis=col_axes, keepdims=True)
+      bound = bound + jnp.sum(r_b * n_cols + n_rows * c_b - r_b * c_b)
+      total += (v_row.size // n_rows) * n_rows * n_cols
+  return bound / max(total, 1)

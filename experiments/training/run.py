@@ -40,7 +40,8 @@ from experiments.training.metrics_log import MetricsLog, machine, read_metrics, 
 
 SAMPLE_PROMPT_TOKENS = 16  # the evaluation samples continue the validation text's start
 SAMPLE_LOG_CHARS = 200  # of each sample, in metrics.jsonl
-TRAIN_SCALARS = ("loss", "ce_loss", "lb_loss", "z_loss", "grad_norm")  # to TensorBoard
+TRAIN_SCALARS = ("loss", "ce_loss", "lb_loss", "z_loss", "grad_norm", "update_rms",
+                 "floor_share")  # to TensorBoard
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -18,6 +18,7 @@ model's shapes and declared axes from :func:`abstract_model` and
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -231,7 +232,9 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False,
   averaged before the one optimizer update
   (:func:`accumulated_value_and_grad`). The
   metrics are :func:`models.lm_loss`'s (scalars and the per-layer
-  ``models.ROUTING_METRICS``) and ``grad_norm``; when ``tx`` is
+  ``models.ROUTING_METRICS``), ``grad_norm``, ``update_rms`` (the RMS of the
+  parameter change over every entry) and, for the article's optimizer,
+  ``floor_share`` (:func:`skewadam_jax.article.floor_share`); when ``tx`` is
   ``optax.apply_if_finite(...)`` they also hold its ``notfinite_count`` and
   ``total_notfinite``.
   ``eval_step(params, inputs, targets) -> (sum of token cross-entropies,
@@ -254,6 +257,11 @@ def make_step_fns(graphdef, rest, tx, *, stochastic_rounding: bool = False,
     else:
       params = optax.apply_updates(params, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
+    # The step's size, any optimizer's: RMS of the parameter change over all entries.
+    metrics["update_rms"] = optax.tree.norm(updates) / math.sqrt(
+        max(1, sum(x.size for x in jax.tree.leaves(updates))))
+    if skewadam_jax.article.article_states(opt_state):
+      metrics["floor_share"] = skewadam_jax.article.floor_share(opt_state)
     if isinstance(opt_state, optax.ApplyIfFiniteState):
       metrics["notfinite_count"] = opt_state.notfinite_count
       metrics["total_notfinite"] = opt_state.total_notfinite

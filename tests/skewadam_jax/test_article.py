@@ -227,3 +227,27 @@ def test_hyperparameters_can_be_injected():
 def test_bad_settings_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
     skewadam_jax.skewadam_article(LR, **kwargs)
+
+
+def test_floor_share_counts_the_entries_whose_denominator_the_floor_sets():
+  """Against the denominator formed entry by entry: floored where max(., φ) picks φ."""
+  rng = np.random.default_rng(7)
+  params = {"dense": {"kernel": jnp.zeros((3, 6, 5)), "scale": jnp.zeros(5)},
+            "router": {"kernel": jnp.zeros((5, 4))}}
+  tx = optax.chain(optax.clip_by_global_norm(1e9), skewadam_jax.skewadam_article(LR))
+  state = tx.init(params)
+  for _ in range(3):
+    # Entries spread over 12 decades so that some rows, columns and entries bind.
+    grads = jax.tree.map(lambda p: jnp.asarray(
+        rng.standard_normal(p.shape) * 10.0 ** rng.uniform(-9, 3, p.shape), jnp.float32), params)
+    _, state = tx.update(grads, state, params)
+  inner = state[1][0]
+  bound = [np.asarray(inner.nu["dense"]["scale"]) < 1e-8,
+           np.asarray(inner.nu["router"]["kernel"]) < 1e-8]
+  v_row, v_col = (np.asarray(x["dense"]["kernel"]) for x in (inner.nu_row, inner.nu_col))
+  normalised = v_row / np.maximum(v_row.mean(axis=-2, keepdims=True), 1e-15)
+  bound.append((normalised < 1e-8) | (v_col < 1e-8))  # broadcast to [3, 6, 5]
+  want = sum(b.sum() for b in bound) / sum(b.size for b in bound)
+  assert 0 < want < 1
+  np.testing.assert_allclose(float(article.floor_share(state)), want, rtol=1e-6)
+  assert float(article.floor_share(optax.adam(1e-3).init(params))) == 0.0
