@@ -17,7 +17,7 @@ ROW=(--optimizers skewadam_article --reuse-runs --no-progress --out experiments/
 for stage in ${STAGES:-400 1600}; do
   if [ "$stage" = 400 ]; then
     "$PYTHON" -m experiments.compare "${ROW[@]}" --steps 400 --sweep-steps 400 \
-        --seeds "${SEEDS_400:-0,1,2}" --lr-factors 0.333,1,3 --runs "$RUNS400" --name article-400
+        --seeds "${SEEDS_400:-0,1,2}" --lr-factors "${FACTORS_400:-0.333,1,3}" --runs "$RUNS400" --name article-400
   else
     "$PYTHON" -m experiments.compare "${ROW[@]}" --steps 1600 --sweep-steps 1600 \
         --seeds "${SEEDS_1600:-0,1,2}" --lr-factors 0.5,1 \

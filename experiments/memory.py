@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --devices: also split each matrix over the data axis "
                       "(default: on with the default mesh, except with --moe-impl "
                       "expert_parallel; off with a given --mesh)")
+  parser.add_argument("--fsdp-experts", action="store_true",
+                      help="with FSDP: split each expert bank along its experts (each expert's "
+                      "matrices whole on a device, where Newton-Schulz then iterates them) "
+                      "instead of its larger matrix axis")
   parser.add_argument("--moe-impl", default=None,
                       help="the MoE lowering (default: the preset's); expert_parallel "
                       "sends tokens to their experts' devices (models/expert_parallel.py)")
@@ -169,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   skip_nonfinite=args.skip_nonfinite,
                   stochastic_rounding=args.stochastic_rounding,
                   device_memory_gb=args.device_memory_gb, devices=args.devices,
-                  mesh=args.mesh, fsdp=args.fsdp, moe_impl=args.moe_impl,
+                  mesh=args.mesh, fsdp=args.fsdp, fsdp_experts=args.fsdp_experts,
+                  moe_impl=args.moe_impl,
                   settings=_settings(args, file_values),
                   progress=lambda message: print(message, file=sys.stderr, flush=True))
   except ValueError as err:
@@ -203,7 +208,7 @@ def _print_report(report: dict) -> None:
   if report["mesh"]:
     mesh = report["mesh"]
     where = (f"{report['devices']} x {where}, mesh data={mesh['data']} x "
-             f"expert={mesh['expert']}{', fsdp' if report['fsdp'] else ''}")
+             f"expert={mesh['expert']}{planner.fsdp_text(report['fsdp'])}")
   if report.get("accumulate", 1) > 1:
     mode += (f", {report['accumulate']} micro-batches a step ({report['accumulate_dtype']} "
              f"accumulator)")

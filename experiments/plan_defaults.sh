@@ -72,6 +72,17 @@ plan moe-47b-8xa100-skewadam-orthogonal-factors "${EIGHT[@]}" --expert-lowrank-o
 # and each backbone matrix iterated whole on one owner device of the data axis
 plan moe-47b-8xa100-skewadam-orthogonal-factors-owners "${EIGHT[@]}" \
   --expert-lowrank-orthogonalise factors --orthogonal-owner-axes data --no-search
+# and the default's whole expert matrices on owner devices too (each bank's experts spread
+# over the data axis, a group of banks along its experts)
+plan moe-47b-8xa100-skewadam-orthogonal-owners "${EIGHT[@]}" --orthogonal-owner-axes data \
+  --no-search
+# FSDP that splits each expert bank along its experts (each expert's matrices whole on a
+# device, where Newton-Schulz iterates them), alone and with the backbone's owners
+plan moe-47b-8xa100-skewadam-orthogonal-fsdp-experts "${EIGHT[@]}" --fsdp-experts --no-search
+plan moe-47b-8xa100-skewadam-orthogonal-fsdp-experts-owners "${EIGHT[@]}" --fsdp-experts \
+  --orthogonal-owner-axes data --no-search
+plan moe-47b-8xa100-adamw-fsdp-experts --preset moe-47b --optimizer adamw --target a100-40gb \
+  --devices 8 --batch-size 8 --seq-len 2048 --fsdp-experts --no-search
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-update-in-backward "${EIGHT[@]}" \
   --moe-impl expert_parallel --update-in-backward
 plan moe-47b-8xa100-skewadam-orthogonal-expert-parallel-fsdp "${EIGHT[@]}" \

@@ -173,7 +173,8 @@ def tier(names: Sequence[Optional[str]]) -> str:
 
 def partition_spec(names: Sequence[Optional[str]], shape: Sequence[int],
                    mesh_sizes: Mapping[str, int], *,
-                   fsdp_axis: Optional[Union[str, tuple[str, ...]]] = None
+                   fsdp_axis: Optional[Union[str, tuple[str, ...]]] = None,
+                   fsdp_experts: bool = False
                    ) -> tuple[Optional[Union[str, tuple[str, ...]]], ...]:
   """Mesh axis per parameter axis (a ``PartitionSpec`` 's entries).
 
@@ -183,7 +184,11 @@ def partition_spec(names: Sequence[Optional[str]], shape: Sequence[int],
   those mesh axes is split over them too, leaving out a mesh axis the leaf
   already uses (an expert bank is split over ``expert`` by its experts, so
   FSDP adds only ``data``): never a stacked axis (the layers are scanned
-  over), never a vector (too small to be worth the gathers).
+  over), never a vector (too small to be worth the gathers). With
+  ``fsdp_experts`` an expert bank whose ``experts`` axis is still unsplit and
+  divides is split along its experts instead: each expert's matrices stay
+  whole on a device (the orthogonal direction then iterates them where they
+  live), at the same bytes a device.
 
   Raises:
     ValueError: naming the axis, when a size does not divide by its mesh axis.
@@ -192,6 +197,9 @@ def partition_spec(names: Sequence[Optional[str]], shape: Sequence[int],
     >>> partition_spec(("layers", "experts", "embed", "mlp"), (2, 4, 8, 16),
     ...                {"data": 2, "expert": 4}, fsdp_axis="data")
     (None, 'expert', None, 'data')
+    >>> partition_spec(("layers", "experts", "embed", "mlp"), (2, 4, 8, 16),
+    ...                {"data": 2, "expert": 1}, fsdp_axis="data", fsdp_experts=True)
+    (None, 'data', None, None)
   """
   spec = [None] * len(names)
   for i, name in enumerate(names):
@@ -207,8 +215,12 @@ def partition_spec(names: Sequence[Optional[str]], shape: Sequence[int],
   fsdp = tuple(a for a in wanted if a not in spec and mesh_sizes.get(a, 1) > 1)
   size = math.prod(mesh_sizes[a] for a in fsdp)
   if size > 1 and matrix_dims(names) is not None:
-    free = [i for i in range(stacked_prefix(names), len(names))
-            if spec[i] is None and shape[i] % size == 0]
+    # An experts axis on a mesh axis of size 1 is still whole.
+    experts = [i for i in range(stacked_prefix(names)) if names[i] == EXPERTS
+               and (spec[i] is None or mesh_sizes[spec[i]] == 1)
+               and shape[i] % size == 0] if fsdp_experts else []
+    free = experts or [i for i in range(stacked_prefix(names), len(names))
+                       if spec[i] is None and shape[i] % size == 0]
     if free:
       spec[max(free, key=lambda i: (shape[i], i))] = fsdp[0] if len(fsdp) == 1 else fsdp
   return tuple(spec)

@@ -170,19 +170,23 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
     if not inner_batch:
       return step(g_s, momentum, axes)
     rows, cols = orthogonal.matrix_sides(g_s.shape, axes)
-    count = g_s.shape[inner_batch[0]]
     owners = _owner_devices(plan.orthogonal_owner_axes)
-    spread = None
-    if owners > 1 and count % owners == 0:
-      # Each owner device a whole matrix of every chunk (strided, so the chunk's
-      # members are any of the stack's).
-      size = owners * orthogonal.chunk_size(count // owners, rows * cols, plan.orthogonal_chunk)
-      spread = functools.partial(_spread_over, axis=inner_batch[0],
-                                 mesh_axes=plan.orthogonal_owner_axes)
+    # The owners split the first batch axis they divide: a group of stacked banks
+    # (grouping.py: a leading axis of 2 or 3 banks) is chunked along its experts.
+    owned = [a for a in inner_batch if g_s.shape[a] % owners == 0] if owners > 1 else []
+    axis, spread = (owned or inner_batch)[0], None
+    count = g_s.shape[axis]
+    if owned:
+      # Each owner device whole matrices of every chunk (strided, so the chunk's
+      # members are any of the stack's); the other batch axes come whole.
+      along = math.prod(g_s.shape[a] for a in inner_batch if a != axis)
+      size = owners * orthogonal.chunk_size(count // owners, rows * cols * along,
+                                            plan.orthogonal_chunk)
+      spread = functools.partial(_spread_over, axis=axis, mesh_axes=plan.orthogonal_owner_axes)
     else:
       size = orthogonal.chunk_size(count, rows * cols, plan.orthogonal_chunk)
     return orthogonal.map_in_chunks(lambda t: step(*t, axes, spread), (g_s, momentum),
-                                    inner_batch[0], size)
+                                    axis, size)
 
   matrix = plan.axes.row_axes + plan.axes.col_axes
   batch = [a for a in range(g.ndim) if a not in matrix]

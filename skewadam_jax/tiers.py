@@ -104,9 +104,11 @@ class TierConfig:
       back: about a copy of the matrices, against five iterations of
       all-reduced Gram matrices). Read under a context mesh
       (``jax.set_mesh`` or ``jax.sharding.use_abstract_mesh``) that has those
-      axes; without a context mesh (one device) it changes nothing. A chunk
-      then holds a multiple of the owners' count (a slice whose stack does
-      not divide over them keeps the usual chunks). ``()`` (the default):
+      axes; without a context mesh (one device) it changes nothing. The
+      owners split the first batch axis whose length divides by their count
+      (a group of same-shaped banks stepped together, ``[2, E, R, C]``, along
+      its experts), and a chunk holds a multiple of that count (a stack with
+      no such axis keeps the usual chunks). ``()`` (the default):
       no resharding. Changes no state and, to float32 round-off, no update.
     orthogonal_dtype: the Newton–Schulz iterates' dtype, ``"float32"`` or
       ``"bfloat16"`` (products accumulated in float32; Muon's usual precision,

@@ -107,40 +107,46 @@ def update_in_backward_sharded(steps: int = 2) -> dict:
           "expert_momentum_spec": [str(a) for a in w_up.spec]}
 
 
-def owner_devices() -> dict:
-  """An FSDP-split stack of 16 matrices orthogonalised with and without owner devices.
+def owner_devices(names=("w",), shape=(16, 256, 128), axes=skewadam_jax.MatrixAxes(1, 2)
+                  ) -> dict:
+  """An FSDP-split stack of matrices orthogonalised with and without owner devices.
 
   ``[16, 256, 128]`` split over ``data=8`` along its rows, as FSDP splits a
   backbone matrix: Newton–Schulz of the split matrices all-reduces its
   products; with ``orthogonal_owner_axes="data"`` each device iterates whole
-  matrices (resharded to it and back) and nothing is all-reduced.
+  matrices (resharded to it and back) and nothing is all-reduced. With two
+  banks of one shape (``names``, ``[L, E, R, C]`` with a declared layer axis)
+  the library steps them as one group, a layer at a time, whose leading axis
+  of 2 does not divide over 8 owners: the owners then split the experts.
   """
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("data",))
-  shape = (16, 256, 128)
-  split = NamedSharding(mesh, P(None, "data", None))
-  params = {"w": jnp.zeros(shape)}
+  split = NamedSharding(mesh, P(*[None] * (len(shape) - 2), "data", None))
+  params = {name: jnp.zeros(shape) for name in names}
 
   def run(owners):
     tx = skewadam_jax.scale_by_skewadam(
-        param_labels="backbone", matrix_axes=skewadam_jax.MatrixAxes(1, 2),
+        param_labels="backbone", matrix_axes=axes,
         backbone=skewadam_jax.TierConfig("fp32", direction="orthogonal",
                                          orthogonal_owner_axes=owners))
     state = tx.init(params)
     state_shardings = jax.tree.map(
-        lambda x: split if x.shape == shape else NamedSharding(mesh, P()), state)
+        lambda x: NamedSharding(mesh, P(*[None] * (x.ndim - 2), "data", None))
+        if x.shape[-2:] == shape[-2:] else NamedSharding(mesh, P()), state)
+    splits = {name: split for name in names}
 
     def update(g, s):
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return tx.update(g, s)
 
-    fn = jax.jit(update, in_shardings=({"w": split}, state_shardings),
-                 out_shardings=({"w": split}, state_shardings))
-    g = {"w": jax.device_put(jax.random.normal(jax.random.key(0), shape), split)}
+    fn = jax.jit(update, in_shardings=(splits, state_shardings),
+                 out_shardings=(splits, state_shardings))
+    g = {name: jax.device_put(jax.random.normal(jax.random.key(i), shape), split)
+         for i, name in enumerate(names)}
     s = jax.device_put(state, state_shardings)
     collectives = hlo.collective_bytes(fn.lower(g, s).compile().as_text()).bytes
     u, _ = fn(g, s)
     u, _ = fn(g, _)  # a second step: the momentum read back from its split state
-    return np.asarray(u["w"]), collectives
+    return np.stack([np.asarray(u[name]) for name in names]), collectives
 
   plain, plain_bytes = run(())
   owned, owned_bytes = run("data")
@@ -153,7 +159,9 @@ def main() -> None:
   assert jax.device_count() == 8, jax.devices()
   print(json.dumps({"known": known_collectives(),
                     "update_in_backward": update_in_backward_sharded(),
-                    "owner_devices": owner_devices()}))
+                    "owner_devices": owner_devices(),
+                    "owner_devices_grouped": owner_devices(
+                        ("v", "w"), (2, 8, 64, 32), skewadam_jax.MatrixAxes(2, 3, layer=0))}))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,12 @@ ALL_TARGETS = (*TARGETS, *TPU_TARGETS)
 TPU_COMPILE_HINT = "pip install -e '.[tpu-compile]'"
 
 
+def fsdp_text(fsdp) -> str:
+  """How a report's ``fsdp`` reads in a table's layout column."""
+  return (", fsdp by experts" if fsdp == mesh_lib.FSDP_EXPERTS else ", fsdp" if fsdp
+          else "")
+
+
 def target_device_bytes(target: str) -> int | None:
   """Memory of one device of ``target``: a GPU's from its description, a TPU chip's HBM."""
   if target in TPU_TARGETS:
@@ -677,15 +683,17 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
          update_in_backward: bool = False, clip_mode: str = "exact",
          skip_nonfinite: int = 0, stochastic_rounding: bool = False,
          device_memory_gb: float | None = None, devices: int | None = None,
-         mesh: str | None = None, fsdp: bool | None = None, moe_impl: str | None = None,
-         settings: Mapping[str, Any] | None = None, progress=None) -> dict:
+         mesh: str | None = None, fsdp: bool | None = None, fsdp_experts: bool = False,
+         moe_impl: str | None = None, settings: Mapping[str, Any] | None = None,
+         progress=None) -> dict:
   """The planner's report (see the module docstring); JSON-serialisable.
 
   ``device_memory_gb`` checks the fit against a device of that size instead
   of the target's own memory (same margin rule), e.g. 24 for a 24 GB card.
   ``devices``, ``mesh`` (a ``--mesh`` spec such as ``"data=2,expert=4"``;
   ``None``: :func:`default_layout`'s) and ``fsdp`` (``None``: the same): plan the step sharded
-  over that many devices (:func:`compile_step`); ``batch`` and the largest
+  over that many devices (:func:`compile_step`); ``fsdp_experts``: FSDP splits
+  each expert bank along its experts (``mesh.FSDP_EXPERTS``); ``batch`` and the largest
   batch that fits are then global, searched over multiples of the ``data``
   size. ``progress(message)``, if given, is told about each compile. The
   step is the one ``train`` runs with the same settings (:func:`train_config`,
@@ -718,6 +726,8 @@ def plan(preset: str, optimizer: str, *, target: str = "a100-40gb", batch: int =
     mesh_sizes = default_mesh if mesh is None else mesh_shape(devices, config.num_experts, mesh)
     if fsdp is None:  # FSDP by default only with the default mesh
       fsdp = default_fsdp if mesh is None else False
+    if fsdp and fsdp_experts:
+      fsdp = mesh_lib.FSDP_EXPERTS
   else:
     mesh_sizes, fsdp = None, False
   if mesh_sizes and run_config.mesh is None:  # the run's mesh, as train would be given it
@@ -985,7 +995,7 @@ def markdown_devices_table(reports: Sequence[dict]) -> str:
     mesh = r.get("mesh") or {"data": 1, "expert": 1}
     layout = (f"one {r['target']}" if devices == 1 else
               f"{devices} x {r['target']}, data={mesh['data']} x "
-              f"expert={mesh['expert']}{', fsdp' if r.get('fsdp') else ''}"
+              f"expert={mesh['expert']}{fsdp_text(r.get('fsdp'))}"
               f"{' (default)' if r.get('layout') == 'default' else ''}")
     held = r["per_device_param_bytes"] + r["per_device_opt_state_bytes"]
     moved = r.get("collective_bytes") or {}

@@ -239,11 +239,10 @@ class TrainConfig:
       "bfloat16 (float32 accumulation); default: the library's (float32)", structural=True,
       choices=skewadam_jax.orthogonal.COMPUTE_DTYPES, kind=str)
   orthogonal_owner_axes: str | None = setting(
-      None, "with an orthogonal backbone: the mesh axes (comma-separated, e.g. data) over "
-      "which each chunk of the backbone's matrices is spread whole before Newton-Schulz, so a "
-      "matrix split by FSDP is iterated on one owner device instead of all-reducing the "
-      "iteration's products (the expert banks are left as they are: split by expert "
-      "parallelism, or orthogonalised through their factors); default: none",
+      None, "with an orthogonal direction: the mesh axes (comma-separated, e.g. data) over "
+      "which each chunk of the orthogonalised matrices (backbone and expert banks) is spread "
+      "whole before Newton-Schulz, so a matrix split by FSDP is iterated on one owner device "
+      "instead of all-reducing the iteration's products; default: none",
       structural=False, kind=str)
   momentum_rounding: str | None = setting(
       None, "SkewAdam: how a bf16 momentum is rounded when stored, stochastic (unbiased) or "
@@ -385,6 +384,8 @@ class TrainConfig:
                    if a.strip())
     if owners and self.backbone_direction != optimizers.LIBRARY_DIRECTION:
       backbone["orthogonal_owner_axes"] = owners
+    if owners and self.expert_direction != optimizers.LIBRARY_DIRECTION:
+      tiers.setdefault("expert", {})["orthogonal_owner_axes"] = owners
     if backbone:
       tiers["backbone"] = backbone
     router_second_moment = self.resolved("router_second_moment")

@@ -139,8 +139,12 @@ def make_mesh(data: int | None = None, expert: int = 1, *,
 # --------------------------------------------------------------------------
 
 
-def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool = False,
-                    expert_parallel: bool = False):
+# param_shardings(fsdp=FSDP_EXPERTS): FSDP with each expert's matrices whole on a device.
+FSDP_EXPERTS = "experts"
+
+
+def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple],
+                    fsdp: bool | str = False, expert_parallel: bool = False):
   """``NamedSharding`` s for the model's parameters on ``mesh``, from their logical axes.
 
   Each parameter's declared logical axes (:func:`models.logical_axes`) go to
@@ -159,7 +163,9 @@ def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool
       axes the batch is split over: ``data``, and with ``expert_parallel``
       ``expert`` too (the expert-parallel MoE splits the batch over both,
       so the backbone is split eight ways on ``data=1 x expert=8``; an expert
-      bank, already split over ``expert``, adds ``data``).
+      bank, already split over ``expert``, adds ``data``). ``"experts"``: the
+      same, but an expert bank is split along its experts where they divide
+      (each expert's matrices whole on a device; :func:`models.axes.partition_spec`).
     expert_parallel: the model's ``moe_impl`` is ``'expert_parallel'``.
 
   Returns:
@@ -187,7 +193,8 @@ def param_shardings(params, mesh: Mesh, *, axes: Mapping[str, tuple], fsdp: bool
       raise ValueError(f"parameter {name!r} has no declared logical axes")
     try:
       spec = model_axes.partition_spec(axes[name], leaf.shape, sizes,
-                                       fsdp_axis=fsdp_axes if fsdp else None)
+                                       fsdp_axis=fsdp_axes if fsdp else None,
+                                       fsdp_experts=fsdp == FSDP_EXPERTS)
     except ValueError as err:
       raise ValueError(f"parameter {name!r}: {err}") from None
     return NamedSharding(mesh, P(*spec))
@@ -226,7 +233,7 @@ class TrainShardings:
 
 
 def train_shardings(mesh: Mesh, tx, params, *, axes: Mapping[str, tuple],
-                    fsdp: bool = False, expert_parallel: bool = False,
+                    fsdp: bool | str = False, expert_parallel: bool = False,
                     state_shardings: Callable | None = None) -> TrainShardings:
   """All the train step's shardings for optimizer ``tx`` (nothing allocated).
 
@@ -435,7 +442,7 @@ class SpmdSteps(NamedTuple):
 
 
 def spmd_steps(mesh: Mesh, step, params, *, axes: Mapping[str, tuple],
-               fsdp: bool = False, expert_parallel: bool = False) -> SpmdSteps:
+               fsdp: bool | str = False, expert_parallel: bool = False) -> SpmdSteps:
   """Shardings and compiled steps of one run on ``mesh``.
 
   Args:
