@@ -991,6 +991,10 @@ def markdown_devices_table(reports: Sequence[dict]) -> str:
     if ((r.get("skewadam_tiers") or {}).get("expert") or {}).get(
         "lowrank_orthogonalise") in skewadam_jax.tiers.THROUGH_FACTORS:
       step += ", experts orthogonalised through their factors"
+    owned = [t for t in ("backbone", "expert")
+             if ((r.get("skewadam_tiers") or {}).get(t) or {}).get("orthogonal_owner_axes")]
+    if owned:
+      step += f", {' and '.join(owned)} matrices on owner devices"
     devices = r.get("devices", 1)
     mesh = r.get("mesh") or {"data": 1, "expert": 1}
     layout = (f"one {r['target']}" if devices == 1 else

@@ -240,9 +240,11 @@ class TrainConfig:
       choices=skewadam_jax.orthogonal.COMPUTE_DTYPES, kind=str)
   orthogonal_owner_axes: str | None = setting(
       None, "with an orthogonal direction: the mesh axes (comma-separated, e.g. data) over "
-      "which each chunk of the orthogonalised matrices (backbone and expert banks) is spread "
-      "whole before Newton-Schulz, so a matrix split by FSDP is iterated on one owner device "
-      "instead of all-reducing the iteration's products; default: none",
+      "which each chunk of the orthogonalised matrices is spread whole before Newton-Schulz, "
+      "so a matrix split by FSDP is iterated on one owner device instead of all-reducing the "
+      "iteration's products (the backbone's, and the expert banks' unless they are "
+      "orthogonalised through their factors, whose small products are cheaper to "
+      "all-reduce); default: none",
       structural=False, kind=str)
   momentum_rounding: str | None = setting(
       None, "SkewAdam: how a bf16 momentum is rounded when stored, stochastic (unbiased) or "
@@ -384,7 +386,11 @@ class TrainConfig:
                    if a.strip())
     if owners and self.backbone_direction != optimizers.LIBRARY_DIRECTION:
       backbone["orthogonal_owner_axes"] = owners
-    if owners and self.expert_direction != optimizers.LIBRARY_DIRECTION:
+    # Through the factors the expert iterate is r x C: its all-reduced products are
+    # small, and resharding whole banks to owners costs more (moe-47b: 59 GB of
+    # all-to-all against 44 GB of all-reduce).
+    if (owners and self.expert_direction != optimizers.LIBRARY_DIRECTION
+        and orthogonalise not in skewadam_jax.tiers.THROUGH_FACTORS):
       tiers.setdefault("expert", {})["orthogonal_owner_axes"] = owners
     if backbone:
       tiers["backbone"] = backbone

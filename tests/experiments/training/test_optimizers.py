@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from experiments.training import config as config_lib
 from experiments.training import optimizers
 from experiments.training.config import TrainConfig, with_defaults
 
@@ -217,6 +218,18 @@ def test_expert_lowrank_orthogonalise_reaches_the_expert_tier():
   with pytest.raises(ValueError, match="lowrank_orthogonalise .half."):
     TrainConfig(expert_lowrank_orthogonalise="half").validate()
 
+
+def test_owner_axes_reach_each_orthogonal_tier_iterated_whole():
+  owned = TrainConfig(orthogonal_owner_axes="data").skewadam_tiers()
+  assert owned["backbone"]["orthogonal_owner_axes"] == ("data",)
+  assert owned["expert"]["orthogonal_owner_axes"] == ("data",)
+  # Through the factors the expert iterate is small: its products stay all-reduced.
+  factors = TrainConfig(orthogonal_owner_axes="data",
+                        expert_lowrank_orthogonalise="factors").skewadam_tiers()
+  assert factors["backbone"]["orthogonal_owner_axes"] == ("data",)
+  assert "orthogonal_owner_axes" not in factors["expert"]
+  assert TrainConfig(**config_lib.tier_fields(owned)).skewadam_tiers() == owned
+  assert "orthogonal_owner_axes" not in TrainConfig().skewadam_tiers()["expert"]
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_expert_lowrank_dtype_reaches_the_expert_tier(dtype):
