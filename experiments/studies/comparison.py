@@ -128,8 +128,14 @@ def load_reports(directory: str | os.PathLike) -> list[dict]:
   return reports
 
 
+def _same_row(row: dict) -> tuple:
+  config = row["config"]
+  return row["optimizer"], json.dumps(config, sort_keys=True) if isinstance(config, dict) else config
+
+
 def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B,
-                   reports: Sequence[dict] | None = None) -> dict | None:
+                   reports: Sequence[dict] | None = None,
+                   equal_time: Sequence[dict] | None = None) -> dict | None:
   """The rule that picks SkewAdam's default from a comparison's rows.
 
   A configuration *matches* AdamW when its mean validation perplexity is no
@@ -141,6 +147,11 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B,
   at ``moe-6.78b`` is known to fit the A100-40GB target at batch 1
   (:func:`standard_step_fits`) are candidates: the training command's
   default must fit without ``--update-in-backward``.
+
+  The compute term: with ``equal_time``, the rows of the same configurations
+  trained for AdamW's wall-clock (``compare --equal-time``), the best within
+  the budget is the best *at equal time*, and a configuration without an
+  equal-time row is not chosen; matching AdamW is still read at equal steps.
   """
   adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
   if adamw is None:
@@ -149,6 +160,11 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B,
               <= adamw["val_ppl_mean"] + max(r["val_ppl_std"], adamw["val_ppl_std"])
               and (reports is None or standard_step_fits(r, reports))]
   within = [r for r in matching if r["opt_state_bytes_6p78b"] <= budget]
+  if equal_time is not None:
+    timed = {_same_row(r): r["val_ppl_mean"] for r in equal_time}
+    within = [r for r in within if _same_row(r) in timed]
+    if within:
+      return min(within, key=lambda r: timed[_same_row(r)])
   if within:
     return min(within, key=lambda r: r["val_ppl_mean"])
   return min(matching, key=lambda r: r["opt_state_bytes_6p78b"], default=None)

@@ -123,6 +123,22 @@ def test_choose_default_follows_the_stated_rule():
   assert comparison.choose_default([big_good]) is None
 
 
+def test_choose_default_with_a_compute_term_orders_by_the_equal_time_rows():
+  adamw = _row("adamw", 100.0, 1.0, 54e9)
+  fast = _row("skewadam", 99.0, 0.5, 1.2e9, name="fast")
+  slow = _row("skewadam", 97.0, 0.5, 1.2e9, name="slow")      # best at equal steps
+  untimed = _row("skewadam", 96.0, 0.5, 1.2e9, name="untimed")
+  rows = [adamw, fast, slow, untimed]
+  assert comparison.choose_default(rows) is untimed
+  # At AdamW's wall-clock the slow one trained fewer steps and fell behind.
+  timed = [_row("skewadam", 99.5, 0.5, 1.2e9, name="fast"),
+           _row("skewadam", 101.0, 0.5, 1.2e9, name="slow"), _row("adamw", 100.0, 1.0, 54e9)]
+  assert comparison.choose_default(rows, equal_time=timed) is fast
+  # A configuration must still match AdamW at equal steps to be chosen.
+  assert comparison.choose_default([adamw, _row("skewadam", 130.0, 1.0, 1e9, name="fast")],
+                                   equal_time=timed) is None
+
+
 def _seeded(optimizer, seeds, **config):
   row = _row(optimizer, statistics.mean(seeds), statistics.stdev(seeds), 1e9, **config)
   return {**row, "val_ppl_by_seed": seeds}
