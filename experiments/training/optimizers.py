@@ -72,6 +72,12 @@ SKEWADAM_LR = {("adam", None): DEFAULT_LR["skewadam"],
                ("normalized_orthogonal", "width"): 1.5e-2}
 
 
+# The article's optimizer without --lr: the best of its rate sweep on `small`
+# (experiments/article_rows.sh; article-400.json: 114.0 at 8.1e-3, 139.5 at 2.7e-3,
+# 188.2 at 2.4e-2 and 370.7 at the article's own 3e-4, which stays the sweep's centre).
+ARTICLE_LR = 8.1e-3
+
+
 # Decoupled weight decay on matrices without --weight-decay, every optimizer's;
 # SkewAdam with an orthogonal expert tier takes skewadam_orthogonal's default
 # (default_weight_decay), so the training command's default run is the alias.
@@ -109,7 +115,11 @@ def default_lr(optimizer: str, skewadam_tiers: dict | None = None) -> float:
     0.0135
     >>> default_lr("skewadam", {})  # the library's direction
     0.003
+    >>> default_lr("skewadam_article")  # its sweep's best, not the article's 3e-4
+    0.0081
   """
+  if optimizer == "skewadam_article":
+    return ARTICLE_LR
   if optimizer != "skewadam":
     return DEFAULT_LR[optimizer]
   expert = (skewadam_tiers or {}).get("expert", {})
