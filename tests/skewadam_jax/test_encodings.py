@@ -452,3 +452,52 @@ def test_lowrank_orthogonalise_refuses_what_it_cannot_read():
       sa.TierConfig("sign", "factored", lowrank_orthogonalise=form)
   with pytest.raises(ValueError, match="leave lowrank_complement at 1"):
     sa.TierConfig("lowrank", "factored", lowrank_orthogonalise="factors", lowrank_complement=0.5)
+
+
+def test_online_lowrank_factors_follow_lorapres_rule():
+  """LoRA-Pre's factor updates, by hand in float64 from the previous factors and g,
+  through the Adam-direction step that carries them (b1 = 0.9, rank 3)."""
+  b1, rank = 0.9, 3
+  params = {"experts": jnp.zeros((2, 10, 7))}
+  tx = sa.scale_by_skewadam(
+      b1=b1, param_labels="expert", matrix_axes=sa.MatrixAxes(1, 2),
+      expert=sa.TierConfig("lowrank_online", "factored", lowrank_rank=rank))
+  state = tx.init(params)
+  assert state.mu_row["experts"].shape == (2, 10, rank)
+  assert state.mu_col["experts"].shape == (2, rank, 7)
+  # The state starts at zero, which the first step reads as the documented start:
+  # B pseudo-random (key 0, scaled by 1/sqrt(R)), A zero.
+  b = np.asarray(jax.random.normal(jax.random.key(0), (2, 10, rank)), np.float64) / np.sqrt(10)
+  a = np.zeros((2, rank, 7))
+  gamma = 1 - np.sqrt(b1)
+  step = jax.jit(tx.update)
+  t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+
+  def damped_solve(gram, rhs):
+    delta = 1e-6 * np.trace(gram, axis1=-2, axis2=-1)[..., None, None] / rank
+    delta = delta + np.finfo(np.float32).tiny
+    return np.linalg.solve(gram + delta * np.eye(rank), rhs)
+
+  for k in range(4):
+    g = np.asarray(jax.random.normal(jax.random.key(k), (2, 10, 7)), np.float64)
+    _, state = step({"experts": jnp.asarray(g, jnp.float32)}, state)
+    b, a = ((1 - gamma) * b + gamma * t(damped_solve(a @ t(a), a @ t(g))),
+            (1 - gamma) * a + gamma * damped_solve(t(b) @ b, t(b) @ g))
+    np.testing.assert_allclose(state.mu_row["experts"], b, rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(state.mu_col["experts"], a, rtol=2e-4, atol=2e-6)
+    assert np.abs(a).max() > 0.05 and np.abs(b).max() > 0.05  # the factors move
+  # A rank-1 gradient held constant: the product B·A converges to it (the EMA's fixed point).
+  g = np.outer(np.arange(1.0, 11.0), np.linspace(-1, 1, 7))[None].repeat(2, 0) / 10
+  for _ in range(300):
+    _, state = step({"experts": jnp.asarray(g, jnp.float32)}, state)
+  product = np.asarray(state.mu_row["experts"]) @ np.asarray(state.mu_col["experts"])
+  np.testing.assert_allclose(product, g, atol=1e-3)
+
+
+def test_online_lowrank_refuses_what_it_cannot_store():
+  with pytest.raises(ValueError, match="lowrank_online stores float32 factors"):
+    sa.TierConfig("lowrank_online", "factored", lowrank_dtype="int8")
+  with pytest.raises(ValueError, match="pass decay"):
+    enc = sa.encodings.get_encoding("lowrank_online", rank=2)
+    parts = enc.encode(jnp.zeros((4, 3)), sa.MatrixAxes(0, 1))
+    enc.encode(jnp.ones((4, 3)), sa.MatrixAxes(0, 1), previous=parts)
