@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# #42's attribution rows for the expert bank's momentum, on the library's 0.3.0
+# The tuning against Muon's attribution rows for the expert bank's momentum, on the
+# library's 0.3.0
 # defaults: the orthogonal tiers' row with packed-sign expert momentum (rate 1.35e-2,
 # `small`, 1600 steps, seed 0) with only the expert momentum changed, against that
 # row's seed-0 run on the same defaults (experiments/safe_defaults.sh). Rank 16 is

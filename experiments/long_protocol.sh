@@ -46,9 +46,10 @@ ALL=(--optimizers adamw,muon --skewadam-configs "$ADAM;$NORMALIZED;$ORTHOGONAL")
     --shorter experiments/results/compare-400.json --out experiments/results --name compare-long \
     --plans experiments/results/memory
 # Where the orthogonal row's gap to Muon lives: that row's command at its
-# 1600-step rate with one difference from Muon removed at a time, seed 0 (#29's
-# attribution; each row's state at moe-6.78b: python -m experiments.state_bytes
-# with the same flags). Muon's width scaling runs at Muon's rate, for which it
+# 1600-step rate with one difference from Muon removed at a time, seed 0 (the
+# attribution of the gap between the orthogonal default and Muon; each row's state
+# at moe-6.78b: python -m experiments.state_bytes with the same flags). Muon's width
+# scaling runs at Muon's rate, for which it
 # is tuned. Nesterov's bias correction is not a row: it changes the direction
 # only while b1^t is not negligible (skewadam_jax.transform._orthogonal_step).
 lr_of() {  # the 1600-step rate of a row of compare-long.json: optimizer, direction

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# #42: what a compact expert momentum can keep, measured before a run is spent on a
+# For the tuning against Muon: what a compact expert momentum can keep, measured
+# before a run is spent on a
 # form (experiments/studies/momentum_probe.py): `small` at the default's settings with
 # float32 expert momentum, 300 steps at seed 0, then each stacked expert matrix's
 # momentum: the share a layer's mean over experts keeps (a momentum shared by the

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# #43's quality check of the bounded Newton–Schulz schedule: the training command's
+# The quality check of the bounded Newton–Schulz schedule (orthogonalising a chunk of
+# matrices at a time): the training command's
 # default row (the orthogonal tiers at its 1600-step rate, 1.35e-2) re-run with
 # Newton–Schulz forced one matrix at a time (--orthogonal-chunk 1, the smallest working
 # set; `small`'s banks are below the "auto" bound, so "auto" steps them whole), at both

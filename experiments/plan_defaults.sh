@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The memory planner's figures of the training command's default (the orthogonal tiers
-# with rank-84 int8 expert momentum and Muon's width scaling since #42, Newton–Schulz in
-# chunks: TierConfig.orthogonal_chunk="auto"),
+# with rank-84 int8 expert momentum and Muon's width scaling since the tuning against
+# Muon, Newton–Schulz in chunks: TierConfig.orthogonal_chunk="auto"),
 # re-planned whenever the default's step changes. Deviceless compiles on this CPU machine; the GPU rows need the
 # gpu-compile extra, the TPU rows the tpu-compile extra. About an hour on 2 cores.
 # Usage: bash experiments/plan_defaults.sh [NAME ...]   (default: every row)
@@ -48,8 +48,9 @@ plan skewadam-adam-update-in-backward-24gb "${A100[@]}" "${ADAM[@]}" --update-in
   --device-memory-gb 24
 plan skewadam-reference "${A100[@]}" "${ADAM[@]}" --backbone-momentum fp32 \
   --backbone-second-moment exact
-# The orthogonal tiers' settings of the default before #42 moved it (rank-16 float32
-# expert factors, Adam's update RMS): the rows planned with them spell them.
+# The orthogonal tiers' settings of the default before the tuning against Muon moved it
+# (rank-16 float32 expert factors, Adam's update RMS): the rows planned with them spell
+# them.
 ADAM_RMS=(--backbone-orthogonal-scale adam_rms --expert-orthogonal-scale adam_rms)
 RANK16=(--expert-lowrank-rank 16 --expert-lowrank-dtype float32 "${ADAM_RMS[@]}")
 # The normalized row and the whole-bank schedule as they were measured: packed-sign
@@ -121,7 +122,8 @@ DIR=$GPU plan moe-47b-h200-skewadam-library-update-in-backward --preset moe-47b 
 # The same step of skewadam() planned for the H100: Hopper's program, 80 GB.
 DIR=$GPU plan moe-6.78b-h100-skewadam-library --preset moe-6.78b --target h100-80gb --seq-len 2048 \
   --no-search --optimizer skewadam "${ADAM[@]}" --batch-size 1
-# #42's first candidate spelled out (muon_gap.sh's muon-scale-rank-42-bf16: rank-42
+# The tuning against Muon's first candidate spelled out (muon_gap.sh's
+# muon-scale-rank-42-bf16: rank-42
 # bfloat16 expert factors under Muon's width scaling), the default from when the rule
 # chose it until rank 84 in int8 replaced it: the steps of skewadam,
 # skewadam-update-in-backward and moe-47b-h200-skewadam-orthogonal-update-in-backward above.
@@ -133,14 +135,16 @@ candidate() {  # candidate TAG ARGS...: the three steps above for a candidate's 
 }
 candidate rank42-bf16 --backbone-orthogonal-scale width --expert-orthogonal-scale width \
   --expert-lowrank-rank 42 --expert-lowrank-dtype bfloat16
-# #42's rank 84 in int8 (muon_gap.sh's muon-scale-rank-84-int8-warmup-640: the same bytes
+# The tuning against Muon's rank 84 in int8 (muon_gap.sh's
+# muon-scale-rank-84-int8-warmup-640: the same bytes
 # at moe-6.78b as rank 42 in bfloat16, twice the rank), planned before any rule weighed it:
 # the same steps as the rank-42 rows above (the default's since the rule chose it, so the
 # same plans as skewadam, skewadam-update-in-backward and
 # moe-47b-h200-skewadam-orthogonal-update-in-backward).
 candidate rank84-int8 --backbone-orthogonal-scale width --expert-orthogonal-scale width \
   --expert-lowrank-rank 84 --expert-lowrank-dtype int8
-# The default before #42 moved it (rank-16 float32 expert factors, Adam's update RMS), the
+# The default before the tuning against Muon moved it (rank-16 float32 expert factors,
+# Adam's update RMS), the
 # rows above that are the default's, kept for the pages that set the two side by side.
 plan skewadam-expert-lowrank16 "${A100[@]}" "${RANK16[@]}"
 plan skewadam-expert-lowrank16-update-in-backward "${A100[@]}" "${RANK16[@]}" --update-in-backward

@@ -7,7 +7,8 @@
 # run folder each, named POINT (seed 0) or POINT-seedN (the same point at seed N).
 LONG_RUN=(--preset small --steps 1600 --batch-size 16 --eval-every 100 --eval-batches 16
           --log-every 1 --sample-tokens 0 --ckpt-every 1000000000)
-# The orthogonal tiers' settings of the training command's default before #42 moved it
+# The orthogonal tiers' settings of the training command's default before the tuning
+# against Muon moved it
 # to rank-42 bfloat16 expert factors, Muon's width scaling and weight decay 0.2
 # (skewadam_jax.ORTHOGONAL_TIER_SETTINGS): float32 factors (rank 16 unless a row names
 # one), Adam's update RMS, weight decay 0.1. A row measured with them spells them, so

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# #44's re-run of the training command's default row on 0.3.0's library defaults
+# The re-run of the training command's default row on 0.3.0's safe library defaults
 # (stochastic rounding of the bf16 momentum, update clipping where a form has no
 # bound of its own, non-finite containment), at the rate both comparisons gave the
 # old default row (1.35e-2), set beside the default row of compare-400.json /
 # compare-long.json. About 11 min a 400-step run and 45 min a 1600-step run on
 # 2 CPU cores (one run at a time). Then the rank-16 expert momentum's 400-step row
-# beside the default's (#42: the row the comparison's rule picks at 1600 steps),
+# beside the default's (for the tuning against Muon: the row the comparison's rule
+# picks at 1600 steps),
 # 3 seeds at the same rate, reusing the default's runs: lowrank-400.{json,md}.
 # Last, which safe setting moves the 1600-step row: the default with one of them
 # off at a time, seed 0 (ABLATION picks some of u_clip=off, contain=off,
@@ -26,7 +27,8 @@ compare() {
 # The default row as these runs measured it: packed-sign expert momentum (the
 # training command's default before rank 16, which is the lowrank rows), and the
 # orthogonal tiers' settings of then (runs_folder.sh: RANK16_DEFAULT_KEYS), which the
-# lowrank rows (rank 16, the default until #42 moved it to rank 42) share.
+# lowrank rows (rank 16, the default until the tuning against Muon moved it to rank 42)
+# share.
 SIGN="expert_m=sign,$RANK16_DEFAULT_KEYS"
 LOWRANK="expert_m=lowrank,$RANK16_DEFAULT_KEYS"
 ONLY=(--optimizers "")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# #81: the library's default layout became one for every backend (group_leaves="auto"
+# The library's grouped-leaf layout became the default on every backend
+# (group_leaves="auto"
 # now stacks each group's state on the CPU too; it stepped each leaf alone there, and
 # every CPU-trained figure before it was measured so). Stacking moves an update by
 # float32 round-off only (tests/skewadam_jax/test_grouping.py), but 1600 steps can

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# #42's third and fourth coordinates, after the rate (swept at 1600 steps) and the
+# The tuning against Muon's third and fourth coordinates, after the rate (swept at
+# 1600 steps) and the
 # warmup (experiments/tune_warmup.sh), each contender at its tuned point, seed 0,
 # against its own seed-0 run there: the momentum (b1 0.95 and 0.85 for the rank-16
 # momentum and AdamW; Muon's own momentum 0.9 and 0.98) and the weight decay (0.05

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# #42's second tuned hyperparameter, the same for every contender: the warmup at
+# The tuning against Muon's second hyperparameter, the same for every contender: the
+# warmup at
 # the long horizon. Each contender's 1600-step row (rate swept at 1600 steps,
 # experiments/results/compare-long.json; the default SkewAdam row on 0.3.0's
 # defaults, experiments/results/safe-defaults-1600.json; the rank-16 expert

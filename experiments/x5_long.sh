@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# #42's second scale at the long horizon: `small-x5` (experiments/configs/small-x5.toml,
+# The tuning against Muon's second scale at the long horizon: `small-x5`
+# (experiments/configs/small-x5.toml,
 # 22,560,000 parameters, 5x small's) at 1600 steps, each contender at its tuned point
 # on `small` (rate swept at 1600 steps, then warmup, momentum and weight decay:
 # tune-warmup.md, tune-more.md; no sweep at this scale): the training command's default
-# until #42 moved it (lowrank: the orthogonal tiers, rank-16 expert momentum,
+# until the tuning against Muon moved it (lowrank: the orthogonal tiers, rank-16 expert
+# momentum,
 # runs_folder.sh's RANK16_DEFAULT), Muon and AdamW, and muon_gap.sh's
 # challenger (muon-scale: Muon's width scaling at Muon's rate), and its candidate at the
 # point the contenders' procedure ended on for it on small (rank42-bf16: rank-42 expert

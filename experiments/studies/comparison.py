@@ -42,8 +42,9 @@ QUICK = dict(steps=80, sweep_steps=0, seeds=(0, 1, 2), eval_every=40, eval_batch
 QUICK_OPTIMIZERS = "adamw,skewadam,muon"
 # The rates the 1600-step tuning chose (compare --lr-from's form: the first file
 # with a row wins): the long comparison's rows, the expert momentum's
-# (experiments/expert_momentum.sh: the rank-16 default's), then #42's tuned
-# candidate (experiments/muon_gap.sh: the default's since the rule chose it).
+# (experiments/expert_momentum.sh: the rank-16 default's), then the tuning
+# against Muon's tuned candidate (experiments/muon_gap.sh: the default's since
+# the rule chose it).
 _RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 TUNED_RATES = ",".join(str(_RESULTS / name) for name in (
     "compare-long.json", "expert-momentum.json", "muon-gap.json"))

@@ -1,6 +1,7 @@
 """What a compact expert momentum can keep: measures on a trained model's expert momentum.
 
-#42 asks for an expert momentum within 1.29 GB at ``moe-6.78b`` that carries what
+The tuning against Muon asks for an expert momentum within 1.29 GB at
+``moe-6.78b`` that carries what
 float32 momentum does, and names two forms: low-rank factors per expert matrix,
 and a momentum shared by a layer's experts. These measures say what each form
 can keep, read off the float32 expert momentum of `small` after a few hundred

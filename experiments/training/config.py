@@ -167,8 +167,8 @@ class TrainConfig:
                                        structural=True, choices=("xla", "cudnn"), kind=str)
   # None follows the expert tier's direction (direction_default): the
   # orthogonal ones take skewadam_orthogonal's factors (rank 84 in int8 since
-  # #42's last row, rank 42 in bfloat16 before it, rank 16 in float32 before
-  # #42), which the comparison's rule chose
+  # the tuning against Muon's last row, rank 42 in bfloat16 before it, rank 16
+  # in float32 before the tuning against Muon), which the comparison's rule chose
   # over packed signs (docs/results/quality.md); Adam's keeps the library's
   # signs. Runs save the value it resolved to (as_dict), so a saved None is from
   # before that rule: the library's sign. The same holds for the rank, dtype

@@ -62,7 +62,8 @@ DEFAULT_DIRECTION = "orthogonal"
 # its update scale. Adam's is the sweep centre (its 1600-step best, 4.5e-3, is
 # in compare-long.json). Orthogonal with Adam's update RMS: the 1600-step
 # sweep's best (compare-long.json); with Muon's width scaling: the tuning's
-# (muon-gap.json, the default since #42). Normalized orthogonal with width
+# (muon-gap.json, the default since the tuning against Muon). Normalized
+# orthogonal with width
 # scaling: the orthogonal rate, the best of its rate's neighbours at seed 0
 # (muon-gap.md: 58.29 against 59.42 at half and 61.03 at twice; it keeps each
 # matrix's Frobenius norm).
