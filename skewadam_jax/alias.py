@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import optax
 
-from skewadam_jax import _warnings
+from skewadam_jax import _warn
 from skewadam_jax import labels as labels_lib
 from skewadam_jax import transform
 
@@ -150,7 +150,7 @@ class EmbeddingMask:
     roles = self._roles(paths, leaves)
     if leaves:
       if not any(roles):
-        _warnings.warn(
+        _warn.warn(
             "skewadam_orthogonal: no parameter path matched the embedding patterns "
             f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): every declared "
             "matrix, an embedding or unembedding included, gets Muon's direction. If the "
@@ -159,7 +159,7 @@ class EmbeddingMask:
                                           for role in roles):
         inputs = [p for p, role in zip(paths, roles) if role == "embedding"]
         if inputs:
-          _warnings.warn(
+          _warn.warn(
               f"skewadam_orthogonal: found the embedding {inputs[0]!r} but no unembedding "
               "(no path named like one, no other 2-D matrix with the vocabulary size as a "
               "side): the output layer, if the model has its own, gets Muon's direction. "

@@ -49,7 +49,7 @@ import jax
 import numpy as np
 import optax
 
-from skewadam_jax import _warnings
+from skewadam_jax import _warn
 
 BACKBONE = "backbone"
 EXPERT = "expert"
@@ -371,7 +371,7 @@ def _warn_unmatched(name: str, patterns: dict, labels: list[str], tree) -> None:
          if patterns is None else f"labeller {name!r}")
   shown = ("" if patterns is None else
            f" (patterns {_as_tuple(patterns['expert']) + _as_tuple(patterns['router'])})")
-  _warnings.warn(
+  _warn.warn(
       f"SkewAdam's {who} found no {' and no '.join(unmatched)} leaf among "
       f"{len(labels)} parameters{shown}; "
       f"every such leaf is in the backbone tier. Paths that may be meant: "

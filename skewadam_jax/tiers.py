@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from skewadam_jax import _warnings
+from skewadam_jax import _warn
 from skewadam_jax import axes as axes_lib
 from skewadam_jax import encodings
 from skewadam_jax import labels as labels_lib
@@ -403,7 +403,7 @@ def _warn_bf16_momentum(name: str, config: TierConfig, b1) -> None:
     return  # injected: not known here
   eps = float(jnp.finfo(jnp.bfloat16).eps)
   if 1.0 - b1 < 10 * eps:
-    _warnings.warn(
+    _warn.warn(
         f"{name} tier: bf16 momentum at b1={b1} can stall up to "
         f"{eps / (2 * (1 - b1)):.0%} away from the EMA it stores (rounding to nearest "
         f"drops increments below half a bf16 step; needs b1 <= {1 - 10 * eps:.3f} for 5 %). "
@@ -493,7 +493,7 @@ def _check_inexact(params) -> None:
 def _warn_guessed_axes(tree, tiers: list[str]) -> None:
   stacked = axes_lib.guessed_stacked_paths(tree, tiers)
   if stacked:
-    _warnings.warn(
+    _warn.warn(
         f"SkewAdam guessed the matrix axes of {len(stacked)} stacked leaves as their last "
         f"two, e.g. {stacked[:3]}: a layer or head axis among them would be factored, "
         "decayed and orthogonalised across. Declare matrix_axes (MatrixAxes(rows, cols, "

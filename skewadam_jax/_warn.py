@@ -34,7 +34,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
     ...   warn("a message")
-    >>> caught[0].filename.endswith("_warnings.py")  # the caller's, not this module's
+    >>> caught[0].filename.endswith("_warn.py")  # the caller's, not this module's
     False
   """
   prefixes = _skipped_prefixes()
