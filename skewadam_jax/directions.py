@@ -139,7 +139,7 @@ def _orthogonal_step(plan: LeafPlan, g, parts: dict, *, b1, count=None,
     else:
       m = c1 * g32 + b1 * plan.encoding.decode(momentum, axes)
       nesterov = b1 * m + c1 * g32
-      new = plan.encoding.encode(m, axes, salt=count, previous=momentum, decay=b1)
+      new = plan.encoding.encode(m, axes, salt=count, previous=momentum)
     if spread is not None:
       nesterov = spread(nesterov)
     if plan.lowrank_orthogonalise in THROUGH_FACTORS:

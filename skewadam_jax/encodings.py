@@ -21,8 +21,6 @@ is a tree shaped like the parameters):
 |        | (or bfloat16: ``lowrank_dtype``)           | (bfloat16 likewise)                            | 2·r·(R + C)/(R·C)      |
 |        | (or int8 codes)                            | (int8 likewise; ``mu_scale``: a float32 step   | (r·(R + C) + 4·r)/(R·C)|
 |        |                                            | per row of ``Qᵀ``, ``P``'s steps moved there)  |                        |
-| lowrank| ``mu_row``: ``B``, float32 (``P``'s shape) | ``mu_col``: ``A`` (``Qᵀ``'s shape); ``m ≈ B·A``| 4·r·(R + C)/(R·C)      |
-| _online| LoRA-Pre's factors, refreshed online       | (:class:`OnlineLowRankEncoding`)               |                        |
 | none   | nothing: no momentum (``m_t = g_t``)       |                                                | 0                      |
 
 Round-trip guarantees (``x̃ = decode(encode(x))``), checked by the tests:
@@ -75,10 +73,8 @@ from skewadam_jax import orthogonal
 from skewadam_jax import rounding
 from skewadam_jax.axes import MatrixAxes
 
-ENCODINGS = ("fp32", "bf16", "int8", "sign", "lowrank", "lowrank_online", "none")
+ENCODINGS = ("fp32", "bf16", "int8", "sign", "lowrank", "none")
 ROUNDINGS = ("stochastic", "nearest")
-# The encodings that store rank-r factors m ≈ P·Qᵀ (mu_row, mu_col).
-LOWRANK_ENCODINGS = ("lowrank", "lowrank_online")
 MOMENTUM_FIELDS = ("mu", "mu_scale", "mu_row", "mu_col")
 
 Parts = dict  # field name -> array, for the fields an encoding uses
@@ -98,11 +94,9 @@ class MomentumEncoding:
   matrix_only = False  # leaves declared vectors use fp32 instead
 
   def encode(self, m: jax.Array, axes: Optional[MatrixAxes], salt=None,
-             previous: Optional[Parts] = None, decay=None) -> Parts:
+             previous: Optional[Parts] = None) -> Parts:
     """``salt``: the step count, for an encoding that rounds at random;
-    ``previous``: the parts it replaces, for one that refines them; ``decay``:
-    the EMA's ``b1`` that made ``m`` from them, for one that reads the
-    gradient back (:class:`OnlineLowRankEncoding`; else unused)."""
+    ``previous``: the parts it replaces, for one that refines them (else unused)."""
     raise NotImplementedError
 
   def decode(self, parts: Parts, axes: Optional[MatrixAxes]) -> jax.Array:
@@ -134,7 +128,7 @@ class DenseEncoding(MomentumEncoding):
     return {jnp.dtype(jnp.bfloat16): "bf16",
             jnp.dtype(jnp.complex64): "complex64"}.get(jnp.dtype(self.dtype), "fp32")
 
-  def encode(self, m, axes=None, salt=None, previous=None, decay=None):
+  def encode(self, m, axes=None, salt=None, previous=None):
     if self.stochastic and salt is not None and jnp.dtype(self.dtype) == jnp.bfloat16:
       return {"mu": rounding.stochastic_round_to_bf16_hashed(m, salt)}
     return {"mu": m.astype(self.dtype)}
@@ -215,7 +209,7 @@ class Int8BlockEncoding(MomentumEncoding):
       return pieces[0]
     return jnp.concatenate([_explicit.gather_axis(p, axis) for p in pieces], axis=axis)
 
-  def encode(self, m, axes, salt=None, previous=None, decay=None):
+  def encode(self, m, axes, salt=None, previous=None):
     axis, cols = axes.pack_axis, m.shape[axes.pack_axis]
     m = m.astype(jnp.float32)
     scale = self._block_absmax(m, axis, cols)
@@ -303,7 +297,7 @@ class SignEncoding(MomentumEncoding):
     momentum keeps each row's and column's RMS (its size), not its mean ``|m|``."""
     return m * m
 
-  def encode(self, m, axes, salt=None, previous=None, decay=None):
+  def encode(self, m, axes, salt=None, previous=None):
     row, col = factored.row_col_means(self.size_statistic(m), axes)
     return {"mu": self.pack(m < 0, axes.pack_axis), "mu_row": row, "mu_col": col}
 
@@ -425,7 +419,7 @@ class LowRankEncoding(MomentumEncoding):
       codes = jnp.round(scaled)
     return jnp.clip(codes, -127, 127).astype(jnp.int8), step
 
-  def encode(self, m, axes, salt=None, previous=None, decay=None):
+  def encode(self, m, axes, salt=None, previous=None):
     view = _MatrixView.of(m.shape, axes)
     m = view.to_matrix(m.astype(jnp.float32))  # [..., R, C]
     r = min(self.rank, m.shape[-2], m.shape[-1])
@@ -504,89 +498,6 @@ class LowRankEncoding(MomentumEncoding):
                                                **newton_schulz_kwargs)
     return view.from_matrix(out, view.rows, view.cols)
 
-
-
-@dataclasses.dataclass(frozen=True)
-class OnlineLowRankEncoding(LowRankEncoding):
-  """LoRA-Pre's rank-``r`` momentum ``m ≈ B·A``, its factors refreshed online.
-
-  Wang et al. (ICLR 2026, arXiv 2602.24283, "Taming Momentum"): the EMA
-  ``m_t = b1·m_{t−1} + (1 − b1)·g_t`` is one gradient step, at rate ``1 − b1``,
-  of the regression ``min_m ½‖m − g_t‖²``; LoRA-Pre takes the regression onto
-  the factors, one Newton step each, both from the previous factors, at the
-  rate ``γ = 1 − √b1`` (so that their product decays by about ``b1`` a step)::
-
-      B ← (1 − γ)·B + γ·g·Aᵀ(A·Aᵀ + δ)⁻¹,     A ← (1 − γ)·A + γ·(BᵀB + δ)⁻¹·Bᵀ·g
-
-  The gradient is read back from the step's exact EMA of the stored momentum,
-  ``g = (m − b1·B·A)/(1 − b1)`` (``decay``: ``b1``, which the step passes).
-  ``δ = 10⁻⁶·tr(·)/r``, plus the smallest normal float, keeps a vanishing
-  factor invertible. The factors start as a fixed pseudo-random ``B`` (the
-  starting ``Q`` of :class:`LowRankEncoding`, as rows) and ``A = 0``, a zero
-  momentum. Unlike :class:`LowRankEncoding`'s refit of the whole EMA on a
-  refined subspace each step, the subspace moves a step of rate ``γ`` at a
-  time. Float32 factors only: ``B`` in ``mu_row`` (``P``'s shape), ``A`` in
-  ``mu_col`` (``Qᵀ``'s), ``4·r·(R + C)`` bytes a ``R × C`` matrix.
-  """
-  name = "lowrank_online"
-
-  def encode(self, m, axes, salt=None, previous=None, decay=None):
-    view = _MatrixView.of(m.shape, axes)
-    m = view.to_matrix(m.astype(jnp.float32))  # [..., R, C]
-    r = min(self.rank, m.shape[-2], m.shape[-1])
-    shape = m.shape[:-2] + (m.shape[-2], r)
-    start = _explicit.like(jnp.broadcast_to(
-        jax.random.normal(jax.random.key(0), shape[self.stacked:], jnp.float32), shape), m)
-    start = start / math.sqrt(max(1, m.shape[-2]))
-    if previous is None:  # the momentum's start: B pseudo-random, A zero
-      b, a = start, jnp.zeros(m.shape[:-2] + (r, m.shape[-1]))
-    else:
-      if decay is None:
-        raise ValueError("OnlineLowRankEncoding.encode refreshes its factors from the "
-                         "gradient: pass decay (the EMA's b1) with previous.")
-      b = view.to_matrix(previous["mu_row"].astype(jnp.float32))
-      a = view.to_matrix(previous["mu_col"].astype(jnp.float32))
-      # The optimizer's state starts at zeros: a zero B is the start's.
-      started = _explicit.like(jnp.any(b != 0, axis=(-2, -1), keepdims=True), b)
-      b = jnp.where(started, b, start)
-      g = (m - decay * (b @ a)) / (1 - decay)
-      rate = 1 - jnp.sqrt(jnp.asarray(decay, jnp.float32))
-      t = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731
-      # g·Aᵀ(A·Aᵀ)⁻¹ = ((A·Aᵀ)⁻¹·A·gᵀ)ᵀ, the Gram matrix being symmetric.
-      b_new = (1 - rate) * b + rate * t(_solve_damped(a @ t(a), a @ t(g)))
-      a_new = (1 - rate) * a + rate * _solve_damped(t(b) @ b, t(b) @ g)
-      b, a = b_new, a_new
-    shortened = lambda sizes: (1,) * (len(sizes) - 1) + (r,)  # noqa: E731
-    return {"mu_row": view.from_matrix(b, view.rows, shortened(view.cols)),
-            "mu_col": view.from_matrix(a, shortened(view.rows), view.cols)}
-
-  def _basis(self, parts, axes):
-    """An orthonormal basis of ``B``'s columns (``B`` itself is not orthonormal)."""
-    b = _MatrixView.of(parts["mu_row"].shape, axes).to_matrix(parts["mu_row"].astype(jnp.float32))
-    return _explicit.like(orthonormal_columns(_explicit.replicated(b)), b)
-
-
-def _solve_damped(gram: jax.Array, rhs: jax.Array) -> jax.Array:
-  """``(gram + δ·I)⁻¹·rhs`` for each symmetric ``r × r`` ``gram`` of the batch,
-  ``δ = 10⁻⁶·tr(gram)/r`` plus the smallest normal float.
-
-  One matrix at a time on XLA:CPU, as :func:`orthonormal_columns` (its
-  batched LAPACK calls can deadlock there).
-  """
-  r = gram.shape[-1]
-  trace = jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None]
-  damped = gram + (1e-6 * trace / r + jnp.finfo(jnp.float32).tiny) * jnp.eye(r, dtype=gram.dtype)
-  batch = gram.shape[:-2]
-  if not batch or rhs.size == 0:
-    return jnp.linalg.solve(damped, rhs)
-
-  def one_at_a_time():
-    flat = lambda x: x.reshape((math.prod(batch),) + x.shape[-2:])  # noqa: E731
-    out = jax.lax.map(lambda ab: jnp.linalg.solve(*ab), (flat(damped), flat(rhs)))
-    return out.reshape(batch + out.shape[-2:])
-
-  return jax.lax.platform_dependent(cpu=one_at_a_time,
-                                    default=lambda: jnp.linalg.solve(damped, rhs))
 
 def orthonormal_columns(x: jax.Array) -> jax.Array:
   """``Q`` of the reduced QR factorisation of each matrix ``x[..., :, :]``.
@@ -670,13 +581,6 @@ def get_encoding(name: str, *, block_size: int = 256, int8_code: str = "linear",
       raise ValueError(f"lowrank_dtype must be one of {LOWRANK_DTYPES}, got {lowrank_dtype!r}.")
     return LowRankEncoding(rank, dtype=jnp.dtype(dtype_name),
                            stochastic=dtype_name != "float32" and rounding == "stochastic")
-  if name == "lowrank_online":
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-      raise ValueError(f"lowrank rank must be a positive int, got {rank!r}.")
-    if jnp.dtype(lowrank_dtype) != jnp.float32:
-      raise ValueError(f"lowrank_online stores float32 factors, got lowrank_dtype="
-                       f"{lowrank_dtype!r}.")
-    return OnlineLowRankEncoding(rank)
   if name == "none":
     return None
   raise ValueError(f"Unknown momentum encoding {name!r}; expected one of {ENCODINGS}.")

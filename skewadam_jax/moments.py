@@ -163,8 +163,7 @@ def _adam_step(plan: LeafPlan, g, parts: dict, *, b1, b2, eps, eps_root,
   if encoding is None:
     m_hat = g32
   else:
-    new.update(sign_parts if sign else encoding.encode(m, plan.axes, salt=count, previous=parts,
-                                                        decay=b1))
+    new.update(sign_parts if sign else encoding.encode(m, plan.axes, salt=count, previous=parts))
     if nesterov:
       # optax.scale_by_adam(nesterov=True): each term with its own bias correction.
       m_hat = (b1 * m / _bias_correction(b1, optax.safe_increment(count))

@@ -53,9 +53,7 @@ class TierConfig:
 
   Attributes:
     momentum: the momentum encoding, one of ``"fp32"``, ``"bf16"``, ``"int8"``,
-      ``"sign"``, ``"lowrank"``, ``"lowrank_online"`` (LoRA-Pre's online
-      factors, :class:`~skewadam_jax.encodings.OnlineLowRankEncoding`; float32,
-      rank ``lowrank_rank``), ``"none"`` (see :mod:`skewadam_jax.encodings`
+      ``"sign"``, ``"lowrank"``, ``"none"`` (see :mod:`skewadam_jax.encodings`
       for bytes per parameter and round-trip bounds). ``"int8"``, ``"sign"``
       and ``"lowrank"`` apply to declared matrices; vectors store fp32.
     second_moment: ``"exact"`` (one value per parameter) or ``"factored"``
@@ -236,8 +234,7 @@ class TierConfig:
     if self.lowrank_orthogonalise not in LOWRANK_ORTHOGONALISE:
       raise ValueError(f"Unknown lowrank_orthogonalise {self.lowrank_orthogonalise!r}; "
                        f"expected one of {LOWRANK_ORTHOGONALISE}.")
-    if (self.lowrank_orthogonalise in THROUGH_FACTORS
-        and self.momentum not in encodings.LOWRANK_ENCODINGS):
+    if self.lowrank_orthogonalise in THROUGH_FACTORS and self.momentum != "lowrank":
       raise ValueError(f"lowrank_orthogonalise={self.lowrank_orthogonalise!r} "
                        f"orthogonalises through the low-rank "
                        f"momentum's factors; momentum={self.momentum!r} has none (use "

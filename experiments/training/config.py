@@ -608,8 +608,7 @@ def comparable(config: dict) -> dict:
   config = with_defaults(config)
   if config.get("optimizer") != "skewadam":
     config.update(dict.fromkeys(TIER_FIELDS))
-  elif config.get("expert_momentum") not in skewadam_jax.encodings.LOWRANK_ENCODINGS:
-    # no other momentum reads them
+  elif config.get("expert_momentum") != "lowrank":  # no other momentum reads them
     config.update(dict.fromkeys(LOWRANK_FIELDS))
   return config
 
