@@ -217,11 +217,6 @@
 #   muon-scale-rank-11-int8-warmup-320-factors_rms (61.47 against the factors' 61.67 and the whole
 #   matrix's 58.98: the norm is not what the factors lose, the directions outside the subspace
 #   are, so the rank-84 row, muon-scale-rank-84-int8-warmup-320-factors_rms, was not run)
-#   and LoRA-Pre's online low-rank momentum (Wang et al., ICLR 2026: the factors B·A refreshed
-#   a regression step at a time, encodings.OnlineLowRankEncoding) in place of the default's
-#   refit subspace, at the default's expert-state bytes (rank 21 in float32: 1.287 GB at
-#   moe-6.78b against 1.289), seed 0:
-#   muon-scale-lorapre-rank-21-warmup-320
 # A row is POINT (seed 0) or POINT-seedN; ROWS picks them (empty: none, only the
 # table). The default's seed 0 is its best of five (finalists.md), so a row is
 # screened at seeds 0 and 1 before it gets seed 2 (muon-scale's seeds 3 and 4 were
@@ -293,7 +288,6 @@ declare -A FLAGS=(
   [muon-scale-rank-11-int8-warmup-320-factors]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11 --expert-lowrank-orthogonalise factors"
   [muon-scale-rank-84-int8-warmup-320-factors_rms]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-orthogonalise factors_rms"
   [muon-scale-rank-11-int8-warmup-320-factors_rms]="$RANK84_INT8 --warmup-steps 320 --expert-lowrank-rank 11 --expert-lowrank-orthogonalise factors_rms"
-  [muon-scale-lorapre-rank-21-warmup-320]="$RANK84_INT8 --warmup-steps 320 --expert-momentum lowrank_online --expert-lowrank-rank 21 --expert-lowrank-dtype float32"
   [muon-scale-rank-41-bf16-normalized-warmup-640-lr-0.03]="$RANK42_BF16 --warmup-steps 640 --expert-lowrank-rank 41 --backbone-direction normalized_orthogonal --expert-direction normalized_orthogonal --lr 0.03"
 )
 for row in ${ROWS-}; do
