@@ -96,8 +96,8 @@ def _matrix_axes(matrix_axes: axes_lib.AxesSpec, tree) -> list:
   matrix over its last two axes.
   """
   if matrix_axes is None:
-    return [((x.ndim - 2,), (x.ndim - 1,)) if x.ndim >= 2 else None
-            for x in map(jnp.asarray, jax.tree.leaves(tree))]
+    return [((n - 2,), (n - 1,)) if n >= 2 else None
+            for n in map(jnp.ndim, jax.tree.leaves(tree))]
   return [None if a is None else (a.row_axes, a.col_axes)
           for a in axes_lib.resolve_matrix_axes(matrix_axes, tree)]
 

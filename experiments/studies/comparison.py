@@ -129,11 +129,6 @@ def load_reports(directory: str | os.PathLike) -> list[dict]:
   return reports
 
 
-def _same_row(row: dict) -> tuple:
-  config = row["config"]
-  return row["optimizer"], json.dumps(config, sort_keys=True) if isinstance(config, dict) else config
-
-
 def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B,
                    reports: Sequence[dict] | None = None,
                    equal_time: Sequence[dict] | None = None) -> dict | None:
@@ -162,10 +157,10 @@ def choose_default(rows: Sequence[dict], budget: float = STATE_BUDGET_6P78B,
               and (reports is None or standard_step_fits(r, reports))]
   within = [r for r in matching if r["opt_state_bytes_6p78b"] <= budget]
   if equal_time is not None:
-    timed = {_same_row(r): r["val_ppl_mean"] for r in equal_time}
-    within = [r for r in within if _same_row(r) in timed]
+    timed = {row_key(r): r["val_ppl_mean"] for r in equal_time}
+    within = [r for r in within if row_key(r) in timed]
     if within:
-      return min(within, key=lambda r: timed[_same_row(r)])
+      return min(within, key=lambda r: timed[row_key(r)])
   if within:
     return min(within, key=lambda r: r["val_ppl_mean"])
   return min(matching, key=lambda r: r["opt_state_bytes_6p78b"], default=None)
